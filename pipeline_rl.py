@@ -1,0 +1,309 @@
+"""pipeline_rl.py: the generator side of ScaleRL, and the schedulers that feed the trainer.
+
+What is here:
+  1. `Sample`, the record a generator hands the trainer: tokens, behaviour logprobs, policy versions, forced mask.
+  2. `TorchEngine`, a generation engine for `transformers` causal LMs (Llama, Qwen, Mistral: anything with
+     `model.model` and `model.lm_head`): KV-cache decoding with continuous batching (a finished sequence's slot
+     is refilled at once from the waiting completions), temperature sampling, behaviour logprobs taken after
+     temperature with the FP32 head, a per-token policy version, EOS stop.
+  3. Forced length interruption (paper App. A.10, RECIPE §6): each completion draws a thinking budget; reaching it
+     without `</think>` inserts the interruption phrase as forced tokens (masked from the loss), then the answer
+     gets its own budget.
+  4. In-flight weight updates (paper Sec. 3.1, RECIPE §5): `load_weights` copies new weights into the engine between
+     decode steps; running sequences keep their KV cache and later tokens carry the new version.
+  5. `Scheduler`: PipelineRL-k (streaming generation, admission bounded so that no trained token is more than k
+     versions old; stale groups dropped at consumption) and PPO-off-policy-k (k batches from frozen weights, then k
+     optimizer steps). PipelineRL-0 and PPO-off-policy-1 are both synchronous on-policy RL, step for step.
+
+Everything runs in one process and is deterministic: the scheduler interleaves `decode_per_step` engine steps with
+each optimizer step, standing in for the generator/trainer speed ratio of a real cluster.
+"""
+from dataclasses import dataclass, field
+import random
+
+import torch
+import torch.nn.functional as F
+
+import losses
+
+
+@dataclass
+class Sample:
+    """One completion, as it travels from generator to trainer."""
+    prompt_id: int                 # id of the prompt in its source (curriculum history keys on it)
+    group: int                     # admission index of its group (G completions of one prompt share it)
+    prompt_tokens: list            # prompt token ids
+    tokens: list = field(default_factory=list)    # completion token ids (sampled and forced)
+    logprobs: list = field(default_factory=list)  # behaviour logprob of each token, after temperature (0.0 if forced)
+    versions: list = field(default_factory=list)  # policy version that produced each token
+    forced: list = field(default_factory=list)    # True for inserted interruption tokens: no gradient through them
+    interrupted: bool = False      # thinking hit its budget and the interruption phrase was inserted
+    truncated: bool = False        # stopped by a length budget before EOS
+    reward: float = 0.0            # filled by the caller once the group is scored
+    meta: object = None            # whatever the caller attached to the prompt (e.g. the data.Problem)
+
+
+def head_logits(hidden, weight, head_dtype=torch.float32):
+    """LM-head logits as float32 numbers. head_dtype float32 is the FP32 head (RECIPE §4): hidden states and head
+    weight upcast before the matmul. A lower head_dtype (e.g. bf16) runs the matmul in that precision first."""
+    return F.linear(hidden.to(head_dtype), weight.to(head_dtype)).float()
+
+
+def head_logprobs(hidden, weight, targets, temperature=1.0, head_dtype=torch.float32):
+    """Trainer-side logprobs of `targets` (B, T) from final hidden states (B, T, H), after temperature, with the same
+    head arithmetic as the generator. The FP32 head is chunked over tokens (losses.token_logprobs)."""
+    if head_dtype == torch.float32:
+        return losses.token_logprobs(hidden, weight, targets, temperature=temperature)
+    logp = torch.log_softmax(head_logits(hidden, weight, head_dtype) / temperature, -1)  # (B, T, V)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+class SlotCache:
+    """KV buffers for a fixed pool of sequence slots: (slots, kv_heads, max_len, head_dim) per layer.
+
+    The engine sets `rows` (all slots, or one slot) and `pos` (where each row's new tokens go) before each forward;
+    the attention layers call `update`, which writes the new keys/values in place and returns the row's history up
+    to `upto` (a view, not a copy). This is the only contact point with the model's attention code.
+    """
+    def __init__(self, n_layers, slots, kv_heads, max_len, head_dim, dtype):
+        shape = (slots, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
+        self.rows, self.pos, self.upto = slice(None), None, 0
+
+    def update(self, k, v, layer_idx, *args, **kwargs):  # k, v: (R, kv_heads, n, head_dim)
+        K, V = self.k[layer_idx], self.v[layer_idx]
+        if isinstance(self.rows, int):  # one slot, n new tokens at pos..pos+n-1 (prefill or forced tokens)
+            p, n = int(self.pos[0]), k.shape[2]
+            K[self.rows, :, p:p + n], V[self.rows, :, p:p + n] = k[0], v[0]
+            r = slice(self.rows, self.rows + 1)
+        else:  # every slot, one new token each at its own position
+            ar = torch.arange(K.shape[0])
+            K[ar, :, self.pos], V[ar, :, self.pos] = k[:, :, 0], v[:, :, 0]
+            r = slice(None)
+        return K[r, :, :self.upto], V[r, :, :self.upto]
+
+    def copy_slot(self, src, dst, n):
+        for K, V in zip(self.k, self.v):
+            K[dst, :, :n], V[dst, :, :n] = K[src, :, :n], V[src, :, :n]
+
+
+class TorchEngine:
+    """Continuous-batching KV-cache sampler for a `transformers` causal LM, with in-flight weight loads.
+
+    Interface shared by the engines: `add(sample, n)` queues n completions of one prompt, `step()` advances every
+    running sequence by one token and returns the groups that finished, `load_weights(model, version)` swaps
+    weights in flight, `busy` says whether anything is queued or running.
+    """
+    def __init__(self, model, *, slots, max_prompt, think_budget, answer_budget, eos_id, think_close_ids,
+                 interrupt_ids=None, temperature=1.0, head_dtype=torch.float32, seed=0):
+        self.model, self.eos_id, self.temperature, self.head_dtype = model.eval(), eos_id, temperature, head_dtype
+        self.think_budget, self.answer_budget = think_budget, answer_budget  # (lo, hi) drawn per completion; int
+        self.think_close, self.interrupt_ids = list(think_close_ids), interrupt_ids  # None: interruption off
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.max_len = max_prompt + think_budget[1] + len(interrupt_ids or []) + answer_budget + 1
+        self.cache = SlotCache(cfg.num_hidden_layers, slots, cfg.num_key_value_heads, self.max_len, head_dim,
+                               next(model.parameters()).dtype)
+        self.slots = [None] * slots      # per slot: dict of the running completion's state, or None
+        self.waiting = []                # (sample template, remaining count) in admission order
+        self.groups = {}                 # group id -> [samples, n_unfinished]
+        self.version = 0
+        self.rng = torch.Generator().manual_seed(seed)  # token sampling
+        self.budget_rng = random.Random(seed)           # thinking budgets
+        self.stats = dict(decode_steps=0, busy_slot_steps=0, tokens=0)
+
+    # -- interface ---------------------------------------------------------------------------------------------------
+    def add(self, template, n):
+        """Queue n completions of `template.prompt_tokens`; they finish together as one group."""
+        if len(template.prompt_tokens) + 1 > self.max_len - self.think_budget[1] - self.answer_budget:
+            raise ValueError(f"prompt of {len(template.prompt_tokens)} tokens exceeds max_prompt; raise max_prompt")
+        self.groups[template.group] = [[], n]
+        self.waiting.append([template, n])
+
+    @property
+    def busy(self):
+        return bool(self.waiting) or any(s is not None for s in self.slots)
+
+    @torch.no_grad()
+    def load_weights(self, source, version):
+        """In-flight update: copy `source`'s parameters (a module or state dict) into the engine's model."""
+        sd = source.state_dict() if hasattr(source, "state_dict") else source
+        for name, p in self.model.state_dict().items():
+            p.copy_(sd[name])
+        self.version = version
+
+    @torch.no_grad()
+    def step(self):
+        """Fill free slots, advance every running sequence one token; return the groups that finished."""
+        self._refill()
+        active = [i for i, s in enumerate(self.slots) if s is not None]
+        if not active:
+            return []
+        tok = torch.zeros(len(self.slots), 1, dtype=torch.long)
+        pos = torch.zeros(len(self.slots), dtype=torch.long)
+        for i in active:
+            tok[i, 0], pos[i] = self.slots[i]["pending"], self.slots[i]["len"]
+        hidden = self._forward(slice(None), tok, pos)[:, -1]  # (S, H)
+        self.stats["decode_steps"] += 1
+        self.stats["busy_slot_steps"] += len(active)
+        done = []
+        for i in active:
+            self.slots[i]["len"] += 1
+        self._advance(active, hidden[active], done)
+        return done
+
+    def generate(self, templates, n):
+        """Run to completion (eval, PPO-off-policy batches, benchmarks): n completions of each template, in order."""
+        for t in templates:
+            self.add(t, n)
+        out = {}
+        while self.busy:
+            for g in self.step():
+                out[g[0].group] = g
+        return [out[t.group] for t in templates]
+
+    # -- internals ---------------------------------------------------------------------------------------------------
+    def _forward(self, rows, tokens, pos):
+        """tokens (R, n) written at pos (R,) + arange(n); returns final hidden states (R, n, H)."""
+        n = tokens.shape[1]
+        self.cache.rows, self.cache.pos = rows, pos
+        self.cache.upto = upto = int(pos.max()) + n
+        qpos = pos[:, None] + torch.arange(n)                               # (R, n)
+        allowed = torch.arange(upto)[None, None, :] <= qpos[:, :, None]     # (R, n, upto)
+        dtype = self.cache.k[0].dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+        out = self.model.model(input_ids=tokens, attention_mask=mask, position_ids=qpos,
+                               past_key_values=self.cache, use_cache=True)
+        return out.last_hidden_state
+
+    def _sample(self, hidden):  # hidden (R, H) -> tokens (R,), behaviour logprobs (R,) after temperature
+        logits = head_logits(hidden, self.model.lm_head.weight, self.head_dtype)  # (R, V) float32
+        logp = torch.log_softmax(logits / self.temperature, -1)
+        tok = torch.multinomial(logp.exp(), 1, generator=self.rng)[:, 0]
+        return tok, logp.gather(-1, tok[:, None])[:, 0]
+
+    def _refill(self):
+        """Continuous batching: start waiting completions in free slots; one prefill per prompt, KV copied to siblings."""
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        while free and self.waiting:
+            template, n = self.waiting[0]
+            take = free[:n]
+            free = free[n:]
+            P = len(template.prompt_tokens)
+            hidden = self._forward(take[0], torch.tensor([template.prompt_tokens]), torch.tensor([0]))[0, -1]
+            for i in take[1:]:
+                self.cache.copy_slot(take[0], i, P)
+            for i in take:
+                lo, hi = self.think_budget
+                s = Sample(template.prompt_id, template.group, template.prompt_tokens, meta=template.meta)
+                self.slots[i] = dict(sample=s, len=P, pending=None, think=True, left=self.budget_rng.randint(lo, hi),
+                                     forced=[])
+            self._advance(take, hidden.expand(len(take), -1), [])
+            if len(take) == n:
+                self.waiting.pop(0)
+            else:
+                self.waiting[0][1] = n - len(take)
+
+    def _advance(self, idx, hidden, done):
+        """Choose each slot's next token (sampled, or the next forced one), then apply the stop rules."""
+        tok, logp = self._sample(hidden)
+        for j, i in enumerate(idx):
+            st = self.slots[i]
+            s = st["sample"]
+            if st["forced"]:
+                t, lp, forced = st["forced"].pop(0), 0.0, True
+            else:
+                t, lp, forced = int(tok[j]), float(logp[j]), False
+            s.tokens.append(t), s.logprobs.append(lp), s.versions.append(self.version), s.forced.append(forced)
+            st["pending"] = t
+            self.stats["tokens"] += 1
+            st["left"] -= 1
+            finished = t == self.eos_id and not forced
+            if st["think"] and not st["forced"] and s.tokens[-len(self.think_close):] == self.think_close:
+                st["think"], st["left"] = False, self.answer_budget  # thinking closed: the answer budget starts
+            elif st["think"] and st["left"] <= 0 and not finished:
+                if self.interrupt_ids is None:
+                    finished = s.truncated = True  # no interruption: the thinking budget is a hard stop
+                else:
+                    st["forced"], s.interrupted, st["left"] = list(self.interrupt_ids), True, 10 ** 9
+            elif not st["think"] and st["left"] <= 0 and not finished:
+                finished = s.truncated = True
+            if finished:
+                self.slots[i] = None
+                g = self.groups[s.group]
+                g[0].append(s)
+                g[1] -= 1
+                if g[1] == 0:
+                    done.append(self.groups.pop(s.group)[0])
+
+
+class Scheduler:
+    """Feeds the trainer batches of `batch_prompts` finished groups from an engine.
+
+    mode="pipeline" (PipelineRL-k): the generator streams; group number n may start only while the policy version
+      is at least n // B - k, and after each optimizer step the new weights are loaded in flight. A group holding a
+      token more than k versions old at consumption is dropped (counted in `dropped_stale`).
+    mode="ppo" (PPO-off-policy-k): k*B groups are generated with frozen weights, then consumed as k minibatches; the
+      weights reach the generator only after the k-th step.
+    """
+    def __init__(self, engine, *, mode, k, batch_prompts, group_size, new_prompt, decode_per_step=0):
+        if mode not in ("pipeline", "ppo"):
+            raise ValueError(f"off_policy mode {mode!r} unknown; expected 'pipeline' or 'ppo'")
+        if k < (1 if mode == "ppo" else 0):
+            raise ValueError(f"max_lag k={k} is invalid for mode {mode!r}; need k >= {1 if mode == 'ppo' else 0}")
+        self.engine, self.mode, self.k, self.B, self.G = engine, mode, k, batch_prompts, group_size
+        self.new_prompt, self.decode_per_step = new_prompt, decode_per_step  # new_prompt(group_id) -> Sample template
+        self.version = 0          # trainer's policy version (optimizer steps taken)
+        self.admitted = 0         # groups started
+        self.dropped_stale = 0    # groups dropped for lag > k
+        self.ready = []           # finished groups, in finish order
+
+    def _admit(self):
+        limit = (self.version + self.k + 1) * self.B if self.mode == "pipeline" else None
+        while self.mode == "pipeline" and self.admitted - self.dropped_stale < limit:
+            self.engine.add(self.new_prompt(self.admitted), self.G)
+            self.admitted += 1
+
+    def _run(self, n_steps=None, need=0):
+        """Advance the engine n_steps (or until `need` groups are ready), admitting as the lag bound allows."""
+        i = 0
+        while (len(self.ready) < need) if n_steps is None else (i < n_steps):
+            self._admit()
+            if not self.engine.busy:
+                if n_steps is None:
+                    raise RuntimeError("generator idle with no batch ready: the lag bound admits no new group")
+                return
+            self.ready += self.engine.step()
+            i += 1
+
+    def next_batch(self):
+        """The next B groups to train on (each a list of G Samples), and the lag statistics of their tokens."""
+        if self.mode == "ppo" and not self.ready:
+            templates = [self.new_prompt(self.admitted + j) for j in range(self.k * self.B)]
+            self.admitted += len(templates)
+            self.ready = self.engine.generate(templates, self.G)
+        batch = []
+        while len(batch) < self.B:
+            if self.mode == "pipeline" and len(self.ready) < self.B - len(batch):
+                self._run(need=self.B - len(batch))
+            g = self.ready.pop(0)
+            if self.version - min(min(s.versions) for s in g) > self.k:
+                self.dropped_stale += 1  # out-of-order finish pushed it past the bound: never train on it
+                continue
+            batch.append(g)
+        batch.sort(key=lambda g: g[0].group)  # admission order: the trained batch does not depend on finish order
+        if self.mode == "pipeline":
+            self._run(self.decode_per_step)  # generation that overlaps this optimizer step, on the old weights
+        return batch
+
+    def lag(self, batch):
+        """Per-token lag of a batch at the current trainer version: (mean, max)."""
+        lags = [self.version - v for g in batch for s in g for v, f in zip(s.versions, s.forced) if not f]
+        return (sum(lags) / max(len(lags), 1), max(lags, default=0))
+
+    def push_weights(self, model):
+        """After an optimizer step: PipelineRL loads the weights in flight; PPO waits for the buffer to drain."""
+        self.version += 1
+        if self.mode == "pipeline" or not self.ready:
+            self.engine.load_weights(model, self.version)
