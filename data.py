@@ -1,0 +1,475 @@
+"""Prompts, verifiable rewards and the filtering curriculum for scalerl.
+
+What is here (standalone, no project imports):
+- `Problem`: one prompt with its reference answer and the checker it needs (`task`).
+- Sources, all through `load_problems(source, ...) -> (train, val)`:
+  "arith" (built in, offline: chains of single-digit additions with a step-by-step scratchpad),
+  "rg:<name>" (a reasoning-gym task, generated offline), the presets "polaris", "gsm8k", "math",
+  any Hugging Face hub dataset name, or a local .json/.jsonl/.parquet file.
+- `format_prompt` / `format_target`: a thinking section, then the answer: `<think> ... </think> answer`.
+- `reward(problem, completion)`: +1 pass / -1 fail; never raises, a checker that runs too long fails.
+- `PromptPool`: seeded epochs with zero-variance filtering and No-Positive-Resampling.
+
+The paper's choices made here:
+1. Binary reward +1 / -1 from a verifier (RECIPE §2); math answers are checked with Math-Verify after
+   stripping the thinking trace (§7).
+2. A held-out validation split of fixed size (the paper holds out 1,000 Polaris prompts, §7) that never
+   enters training.
+3. Zero-variance filtering: a group whose rewards are all equal is dropped from the loss and counted,
+   the batch is not refilled (§3).
+4. No-Positive-Resampling: a prompt whose pass rate reaches 0.9 is never sampled in a later epoch (§3);
+   **choice**: the latest observed pass rate decides, and removal takes effect at the next epoch.
+5. The forced-interruption phrase (§6) ends with `</think>`, so an interrupted completion still has an
+   answer section for `extract_answer`.
+
+Run `python data.py` to print a few built-in problems, their prompt and their supervised target.
+"""
+import atexit
+import importlib.util
+import json
+import os
+import random
+import re
+import select
+import subprocess
+import sys
+import threading
+import zlib
+from dataclasses import dataclass
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+INTERRUPT_PHRASE = "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"  # §6
+PLAIN_TEMPLATE = "Q: {question}\nA: "  # for models without a chat template (the tiny char-level model)
+RG_INSTRUCTION = "\nThink inside <think> </think>, then write only the final answer after </think>."
+MATH_INSTRUCTION = "\nThink inside <think> </think>, then write the final answer after </think> in \\boxed{}."
+
+
+@dataclass(frozen=True)
+class Problem:
+    id: int          # stable prompt id, unique within a loaded source (PromptPool keys on it)
+    question: str    # question text shown to the model (no template), with any per-task instruction
+    answer: str      # reference answer
+    task: str        # "arith" | "rg:<name>" | "math": selects the checker
+    level: int = 0   # difficulty level of the built-in task; 0 when unknown
+    trace: str = ""  # step-by-step thinking for the supervised warm start ("" when none)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The built-in task: level L is a chain of L+1 single-digit terms, "7+5+9+3"; the scratchpad keeps a
+# running sum, one step per term, "7+5=12,12+9=21,21+3=24". Short and regular so a ~1M-parameter
+# character-level model learns it from scratch in minutes; the thinking grows with the level, so the
+# top levels are the ones a length budget interrupts (§6).
+
+VAL_BUCKETS = 5  # 1 in 5 possible questions is reserved for validation, so val and train never share one
+ARITH_CHARS = "".join(sorted(set("0123456789+=,\n " + PLAIN_TEMPLATE.replace("{question}", "")
+                                 + THINK_OPEN + THINK_CLOSE + INTERRUPT_PHRASE)))
+_STEP = re.compile(r"(\d+)\+(\d+)=(\d+)", re.ASCII)
+
+
+def _is_val_question(question, seed):
+    # A stable hash splits the space of questions, not the list of draws: the 100 possible level-1
+    # questions would otherwise all be drawn into a 1,000-prompt validation set.
+    return zlib.crc32(f"{seed}:{question}".encode()) % VAL_BUCKETS == 0
+
+
+def arith_problems(n, seed=0, levels=(1, 2, 3, 4, 5), error_rate=0.0, start_id=0, split=None):
+    """n problems with ids start_id.. ; each is a function of (seed, id) only, levels cycle with the id.
+
+    error_rate: each step of the trace independently slips (result off by +-1 or +-10) with this
+    probability and the chain goes on from the wrong sum, so the warm-started model is only partly
+    competent; `answer` is always the true sum (see `trace_errors`). split: "val" or "train" keeps only
+    questions from that side of the hashed split (None: any question).
+    """
+    if not levels or any(not isinstance(L, int) or L < 1 for L in levels):
+        raise ValueError(f"arith levels must be integers >= 1, got {levels!r}")
+    if not 0.0 <= error_rate <= 1.0:
+        raise ValueError(f"arith error_rate must be in [0, 1], got {error_rate}")
+    if split not in (None, "val", "train"):
+        raise ValueError(f"arith split must be None, 'val' or 'train', got {split!r}")
+    out = []
+    for pid in range(start_id, start_id + n):
+        level = levels[pid % len(levels)]
+        rng = random.Random(f"arith:{seed}:{pid}")
+        for _ in range(10_000):  # rejection sampling into the requested side of the split
+            terms = [rng.randrange(10) for _ in range(level + 1)]
+            question = "+".join(map(str, terms))
+            if split is None or _is_val_question(question, seed) == (split == "val"):
+                break
+        else:
+            raise RuntimeError(f"arith level {level} has no {split} question for seed {seed}")
+        # Slips use their own stream and draw for every step, so the question does not depend on
+        # error_rate and the slipped steps at a lower rate are a subset of those at a higher one.
+        slip = random.Random(f"slip:{seed}:{pid}")
+        steps, total = [], terms[0]
+        for t in terms[1:]:
+            u, delta = slip.random(), slip.choice((-10, -1, 1, 10))
+            result = total + t
+            if u < error_rate:
+                result = result + delta if result + delta >= 0 else result - delta
+            steps.append(f"{total}+{t}={result}")
+            total = result
+        out.append(Problem(pid, question, str(sum(terms)), "arith", level, ",".join(steps)))
+    return out
+
+
+def trace_errors(problem):
+    """Indices of the trace steps whose arithmetic is wrong or that do not follow the question's chain."""
+    terms = [int(t) for t in problem.question.split("+")]
+    steps = problem.trace.split(",") if problem.trace else []
+    bad, total = [], terms[0]
+    for k in range(len(terms) - 1):
+        m = _STEP.fullmatch(steps[k]) if k < len(steps) else None
+        if m is None or (int(m[1]), int(m[2])) != (total, terms[k + 1]) or int(m[1]) + int(m[2]) != int(m[3]):
+            bad.append(k)
+        total = int(m[3]) if m else total + terms[k + 1]
+    return bad + list(range(len(terms) - 1, len(steps)))  # extra steps are errors too
+
+
+def trace_is_correct(problem):
+    return not trace_errors(problem)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Prompt format: the prompt ends with <think>, the model writes its thinking, </think>, then the answer.
+
+def format_prompt(question, tokenizer=None):
+    """The prompt text: the tokenizer's chat template when it has one, else PLAIN_TEMPLATE; ends with <think>."""
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                             add_generation_prompt=True, tokenize=False)
+    else:
+        text = PLAIN_TEMPLATE.format(question=question)
+    return text if text.rstrip().endswith(THINK_OPEN) else text + THINK_OPEN
+
+
+def format_target(problem):
+    """Supervised completion: trace, </think>, answer. For the built-in task the answer is the trace's own
+    last running sum, so an imperfect trace teaches a consistent slip rather than a guess from nowhere."""
+    answer = problem.answer
+    if problem.task == "arith" and problem.trace:
+        answer = problem.trace.rsplit("=", 1)[-1]
+    return problem.trace + THINK_CLOSE + answer
+
+
+def extract_answer(completion):
+    """The text after the last </think>, stripped; None when there is none (the thinking never closed)."""
+    if not isinstance(completion, str) or THINK_CLOSE not in completion:
+        return None
+    return completion.rsplit(THINK_CLOSE, 1)[1].strip()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rewards: +1 pass / -1 fail (§2). Every checker returns a bool; anything unexpected is a fail.
+
+_NUMBER = re.compile(r"[-+]?\d+(\.\d+)?", re.ASCII)  # ASCII digits only: "٢٤" is not 24
+
+
+def _check_arith(problem, text):
+    m = _NUMBER.search(text)  # the first number must be an integer equal to the answer
+    return bool(m) and m[1] is None and len(m[0]) <= 30 and int(m[0]) == int(problem.answer)
+
+
+_RG = {}  # Problem -> (reasoning-gym dataset, entry): the entry its scorer needs (Problem is frozen)
+
+
+def _check_rg(problem, text, timeout):
+    dataset, entry = _RG.get(problem, (None, None))
+    if dataset is None:  # not generated in this process: fall back to an exact match
+        return text == problem.answer
+    box = []  # scorers are plain Python: a daemon thread with a deadline bounds them (a stuck one lingers)
+    th = threading.Thread(target=lambda: box.append(dataset.score_answer(answer=text, entry=entry)), daemon=True)
+    th.start()
+    th.join(timeout)
+    return bool(box) and box[0] >= 1.0
+
+
+class _MathWorker:
+    """Math-Verify in a child process. Its own time-outs use signals (main thread only) and a thread
+    cannot stop SymPy inside one long C call (e.g. 9^{9^{9^9}} holds the GIL), so a check that runs
+    past its deadline kills the child; the next check starts a fresh one (~1 s). Cost ~1-5 ms a check."""
+
+    def __init__(self):
+        self.proc, self.lock = None, threading.Lock()
+
+    def _start(self):
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--math-worker"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True, encoding="utf-8")
+        if not self._read(120.0) == "ready":
+            self._stop()
+            raise RuntimeError("math-verify worker did not start; is math-verify installed?")
+
+    def _read(self, timeout):  # one line from the child, or None after timeout seconds
+        ready = select.select([self.proc.stdout], [], [], timeout)[0]
+        return self.proc.stdout.readline().strip() if ready else None
+
+    def _stop(self):
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def check(self, gold, pred, timeout):
+        with self.lock:
+            try:
+                if self.proc is None or self.proc.poll() is not None:
+                    self._start()
+                self.proc.stdin.write(json.dumps([gold, pred]) + "\n")
+                self.proc.stdin.flush()
+                out = self._read(timeout)
+            except (OSError, RuntimeError, ValueError):
+                out = None
+            if out is None:  # too slow or dead: start over on the next check
+                self._stop()
+            return out == "1"
+
+
+def _math_worker_loop():
+    import logging
+    from math_verify import parse, verify
+    logging.disable(logging.WARNING)
+    gold_cache = {}
+    print("ready", flush=True)
+    for line in sys.stdin:
+        try:
+            gold, pred = json.loads(line)
+            if gold not in gold_cache:  # bare gold answers ("3/4", "\frac{3}{4}") parse as LaTeX math
+                g = gold if "$" in gold or "\\boxed" in gold else f"${gold}$"
+                gold_cache[gold] = parse(g, parsing_timeout=None)
+            ok = verify(gold_cache[gold], parse(pred, parsing_timeout=None), timeout_seconds=None)
+        except Exception:  # any parser/SymPy failure is a failed check, never a crash
+            ok = False
+        print("1" if ok else "0", flush=True)
+
+
+_MATH = _MathWorker()
+atexit.register(_MATH._stop)  # a child stuck in SymPy would not notice its parent leaving
+
+
+def reward(problem, completion, timeout=5.0):
+    """+1.0 if the answer after the last </think> passes the problem's checker, else -1.0. Never raises."""
+    try:
+        text = extract_answer(completion)
+        if not text:
+            return -1.0
+        if problem.task == "arith":
+            ok = _check_arith(problem, text)
+        elif problem.task.startswith("rg:"):
+            ok = _check_rg(problem, text, timeout)
+        elif problem.task == "math":  # answers are short; the tail keeps a final \boxed{} of a long one
+            ok = _MATH.check(problem.answer, text[-2000:], timeout)
+        else:
+            ok = False
+    except Exception:  # a reward never takes down the run: an unexpected failure is a fail
+        ok = False
+    return 1.0 if ok else -1.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sources
+
+def _after_hashes(text):  # GSM8K answers: "reasoning #### 72" -> (trace, answer)
+    return tuple(text.rsplit("####", 1)) if "####" in text else ("", None)
+
+
+def last_boxed(text):
+    """Content of the last \\boxed{...} in text (nested braces allowed), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j]
+    return None
+
+
+PRESETS = {  # name -> hub dataset, config, split, the prompt/answer columns, and (trace, answer) from the answer
+    "polaris": dict(hub="POLARIS-Project/Polaris-Dataset-53K", config=None, split="train",
+                    prompt_key="problem", answer_key="answer", answer_fn=None),
+    "gsm8k": dict(hub="openai/gsm8k", config="main", split="train", prompt_key="question",
+                  answer_key="answer", answer_fn=_after_hashes),
+    "math": dict(hub="DigitalLearningGmbH/MATH-lighteval", config="default", split="train", prompt_key="problem",
+                 answer_key="solution", answer_fn=lambda solution: (solution, last_boxed(solution))),
+}
+
+
+def _read_rows(path):
+    if not os.path.isfile(path):
+        raise ValueError(f"dataset file {path!r} does not exist")
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+        return pq.read_table(path).to_pylist()
+    with open(path, encoding="utf-8") as f:
+        if path.endswith(".jsonl"):
+            return [json.loads(line) for line in f if line.strip()]
+        data = json.load(f)
+    if isinstance(data, dict):  # column-oriented {"problem": [...], "answer": [...]}
+        data = [dict(zip(data, values)) for values in zip(*data.values())]
+    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+        raise ValueError(f"{path!r}: expected a list of records or a dict of columns")
+    return data
+
+
+def _read_hub(source, hub, config, split):
+    import datasets
+    try:
+        return list(datasets.load_dataset(hub, config, split=split))
+    except Exception as e:  # offline, unreachable or unknown: one actionable line
+        why = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        raise ValueError(f"cannot load dataset {source!r} (hub: {hub}): {why}. Provide it locally: save it as "
+                         f".json/.jsonl/.parquet and pass data_path=FILE (or the file path as the source)") from None
+
+
+def _rows_to_problems(rows, source, prompt_key, answer_key, trace_key, answer_fn):
+    cols = sorted(rows[0]) if rows else []
+    for key in (prompt_key, answer_key):
+        if rows and key not in rows[0]:
+            raise ValueError(f"dataset {source!r} has no column {key!r}; columns: {cols}; "
+                             f"set prompt_key=/answer_key=")
+    out = []
+    for i, row in enumerate(rows):
+        q, a = row.get(prompt_key), row.get(answer_key)
+        trace = str(row.get(trace_key) or "") if trace_key else ""
+        if a is not None and answer_fn is not None:
+            trace, a = answer_fn(str(a))
+        if q is None or a is None or not str(q).strip() or not str(a).strip():
+            continue  # rows without a question or a checkable answer cannot be rewarded
+        out.append(Problem(i, str(q).strip() + MATH_INSTRUCTION, str(a).strip(), "math", 0, trace.strip()))
+    return out
+
+
+def _split(problems, n_val, n_train, seed, source):
+    if len(problems) <= n_val:
+        raise ValueError(f"source {source!r} has {len(problems)} usable prompts; n_val={n_val} leaves "
+                         f"none for training; pass a smaller n_val")
+    order = list(range(len(problems)))
+    random.Random(seed).shuffle(order)
+    val = [problems[i] for i in order[:n_val]]
+    seen = {p.question for p in val}  # the same question under another id must not leak into training
+    train = [problems[i] for i in order[n_val:] if problems[i].question not in seen]
+    return train[:n_train] if n_train is not None else train, val
+
+
+def load_problems(source, n_val=1000, seed=0, n_train=None, prompt_key=None, answer_key=None, **kw):
+    """(train, val) lists of Problem; val has n_val prompts whose ids and questions never appear in train.
+
+    source: "arith" (kw: levels, error_rate; n_train defaults to 5000), "rg:<task>" (kw: the task's
+    reasoning-gym options; n_train defaults to 5000), "polaris" / "gsm8k" / "math" (kw data_path=FILE
+    reads a local copy with the preset's columns), a hub dataset name (kw: config, split, trace_key) or a
+    local .json/.jsonl/.parquet file.
+    """
+    if source == "arith":
+        extra = set(kw) - {"levels", "error_rate"}
+        if extra:
+            raise ValueError(f"unknown options for source 'arith': {sorted(extra)}; expected levels, error_rate")
+        val = arith_problems(n_val, seed, split="val", start_id=0, **kw)
+        return arith_problems(5000 if n_train is None else n_train, seed, split="train", start_id=n_val, **kw), val
+    if source.startswith("rg:"):
+        import reasoning_gym
+        name, n_train = source[3:], 5000 if n_train is None else n_train
+        try:
+            dataset = reasoning_gym.create_dataset(name, size=n_val + n_train, seed=seed, **kw)
+        except Exception as e:
+            raise ValueError(f"cannot create reasoning-gym task {name!r}: {str(e)[:200]}") from None
+        problems = []
+        for i in range(len(dataset)):
+            entry = dataset[i]
+            problems.append(Problem(i, entry["question"] + RG_INSTRUCTION, str(entry["answer"]), source))
+            _RG[problems[-1]] = (dataset, entry)
+        return _split(problems, n_val, n_train, seed, source)
+    known = {"data_path", "config", "split", "trace_key"}
+    if set(kw) - known:
+        raise ValueError(f"unknown options for source {source!r}: {sorted(set(kw) - known)}; expected {sorted(known)}")
+    preset = PRESETS.get(source, dict(hub=source, config=kw.get("config"), split=kw.get("split", "train"),
+                                      prompt_key="problem", answer_key="answer", answer_fn=None))
+    prompt_key, answer_key = prompt_key or preset["prompt_key"], answer_key or preset["answer_key"]
+    if importlib.util.find_spec("math_verify") is None:  # else every math reward would quietly fail
+        raise ValueError(f"source {source!r} is checked with math-verify: pip install math-verify")
+    path = kw.get("data_path") or (source if source.endswith((".json", ".jsonl", ".parquet")) else None)
+    rows = _read_rows(path) if path else _read_hub(source, preset["hub"], preset["config"], preset["split"])
+    problems = _rows_to_problems(rows, source, prompt_key, answer_key, kw.get("trace_key"), preset["answer_fn"])
+    return _split(problems, n_val, n_train, seed, source)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The curriculum: seeded epochs, zero-variance filtering and No-Positive-Resampling (§3).
+
+class PromptPool:
+    """Yields problems epoch by epoch in a seeded order and keeps the curriculum's statistics."""
+
+    def __init__(self, problems, seed=0, npr=True, npr_threshold=0.9, zero_var=True):
+        self.problems = {p.id: p for p in problems}
+        if not self.problems or len(self.problems) != len(problems):
+            raise ValueError(f"PromptPool needs a non-empty list of problems with unique ids, got {len(problems)} "
+                             f"problems with {len(self.problems)} distinct ids")
+        self.seed, self.npr, self.npr_threshold, self.zero_var = seed, npr, npr_threshold, zero_var
+        self.epoch, self.position, self.removed, self.history = 0, 0, set(), {}
+        self.groups_seen = self.zero_var_dropped = 0
+        self.order = self._epoch_order()  # ids of the current epoch, fixed when the epoch starts
+
+    def _epoch_order(self):
+        ids = sorted(set(self.problems) - self.removed)
+        random.Random(f"pool:{self.seed}:{self.epoch}").shuffle(ids)  # a function of (seed, epoch)
+        return ids
+
+    @property
+    def npr_removed(self):
+        return len(self.removed)
+
+    @property
+    def zero_var_frac(self):
+        return self.zero_var_dropped / self.groups_seen if self.groups_seen else 0.0
+
+    def next(self):
+        if self.position >= len(self.order):  # epoch exhausted: the next one leaves out removed prompts
+            self.epoch, self.position = self.epoch + 1, 0
+            self.order = self._epoch_order()
+            if not self.order:
+                raise RuntimeError(f"PromptPool: all {len(self.problems)} prompts were removed by No-Positive-"
+                                   f"Resampling (pass rate >= {self.npr_threshold}); nothing left to sample")
+        self.position += 1
+        return self.problems[self.order[self.position - 1]]
+
+    def record(self, prompt_id, rewards):
+        """Record a finished group's rewards (+1/-1); True if the group is kept for the loss."""
+        if prompt_id not in self.problems:
+            raise KeyError(f"PromptPool.record: unknown prompt id {prompt_id}")
+        if len(rewards) == 0:
+            raise ValueError(f"PromptPool.record: empty rewards for prompt {prompt_id}")
+        rate = sum(r > 0 for r in rewards) / len(rewards)
+        self.groups_seen += 1
+        self.history[prompt_id] = rate  # the latest observed pass rate decides (§3, our choice)
+        if self.npr and rate >= self.npr_threshold:
+            self.removed.add(prompt_id)  # not in any later epoch; this epoch's order is left as is
+        else:
+            self.removed.discard(prompt_id)  # a later, lower pass rate (a group still in flight) wins
+        if self.zero_var and all(r == rewards[0] for r in rewards):
+            self.zero_var_dropped += 1  # zero advantage, zero gradient: drop, do not refill (§3)
+            return False
+        return True
+
+    def state_dict(self):
+        return {"seed": self.seed, "epoch": self.epoch, "position": self.position, "order": list(self.order),
+                "removed": sorted(self.removed), "history": [[i, r] for i, r in sorted(self.history.items())],
+                "groups_seen": self.groups_seen, "zero_var_dropped": self.zero_var_dropped}
+
+    def load_state_dict(self, state):
+        unknown = set(state["order"]) - set(self.problems)
+        if unknown:
+            raise ValueError(f"PromptPool state names {len(unknown)} prompt ids this pool does not have "
+                             f"(e.g. {sorted(unknown)[:3]}); load the same problems before restoring")
+        self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
+        self.order, self.removed = [int(i) for i in state["order"]], {int(i) for i in state["removed"]}
+        self.history = {int(i): float(r) for i, r in state["history"]}
+        self.groups_seen, self.zero_var_dropped = state["groups_seen"], state["zero_var_dropped"]
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--math-worker"]:
+        _math_worker_loop()
+    else:
+        for p in arith_problems(5, seed=0, error_rate=0.2):
+            print(f"level {p.level} ok={trace_is_correct(p)} {format_prompt(p.question)!r} -> {format_target(p)!r}")
+        print(f"ARITH_CHARS ({len(ARITH_CHARS)}): {ARITH_CHARS!r}")

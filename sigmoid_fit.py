@@ -1,0 +1,412 @@
+"""sigmoid_fit.py: predict where an RL run will plateau, from the first part of its curve.
+
+The paper's compute-performance curve (Sec. 2.1, App. A.4-A.7):
+
+    R(C) = R0 + (A - R0) / (1 + (C_mid / C) ** B)
+
+C is training compute (device-hours), R the held-out pass rate, R0 the pass rate before RL (an input,
+not fitted), A the asymptote, B the efficiency exponent and C_mid the compute at half the gain A - R0.
+
+Choices, with the paper's sections:
+1. Fit by grid search (App. A): a grid over A and C_mid, the best B by least squares in every cell, the
+   cell with the smallest squared error in pass-rate space wins. `paper_grid=True` is the paper's exact
+   grid (A 0.450..0.800 step 0.005, C_mid 100..40000 GPU-hours in 100 values; the paper does not say how
+   the C_mid values are spaced, we take them evenly). The default grid adapts to the data instead, since a
+   CPU run measures compute in thousandths of a device-hour: A over [max(R0, 0), 1] (a tiny run can end
+   below the paper's 0.45), C_mid log-spaced over [min(C) / 10, max(C) * 100] of the fitted points, then
+   finer grids around the best cell. `method="curve_fit"` polishes the grid optimum with
+   scipy.optimize.curve_fit. A is bounded to [R0, 1] and B to [0.05, 20] (our choice).
+2. Early points are excluded (App. A: below ~1.5k of a ~16k GPU-hour run, an almost linear regime):
+   `c_min`. By default (c_min=None) every point with C > 0 is used; points with C <= 0 never are.
+3. Extrapolation check (Sec. 2.1): fit on the first half of the compute budget, compare the prediction
+   with the rest of the run.
+4. Noise margin (App. A): A varies by about +-0.015 across identical runs, the paper treats +-0.02 as
+   noise. We also report a residual-bootstrap spread of A for the run at hand. Recipes whose A agree
+   within 0.02 are compared by B after refitting both at their average A (`fix_A`).
+5. Power-law baseline R = A - D / C**B (App. A): it overshoots the ceiling when fitted early.
+6. "Slope equals B" (Fig. 7): log((R - R0) / (A - R)) is a straight line of slope B in log C.
+
+Run:
+    python sigmoid_fit.py out/<run>/metrics.jsonl [more runs or run dirs or points.csv] \
+        [--fit-until X] [--c-min X] [--r0 X] [--plot curve.png] [--power-law] [--metric pass_rate]
+A metrics.jsonl gives eval rows (those with `pass_rate`) against `device_hours`, the cumulative training
+device-hours; its row at compute 0 is R0. A CSV holds `compute,pass_rate` rows (header optional).
+"""
+import argparse
+import csv
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import curve_fit, least_squares, minimize_scalar
+from scipy.special import expit
+
+PAPER_A_GRID = np.round(np.arange(0.450, 0.8001, 0.005), 3)  # 71 values (App. A)
+PAPER_CMID_GRID = np.linspace(100.0, 40000.0, 100)  # GPU-hours
+B_BOUNDS = (0.05, 20.0)
+MIN_POINTS = 4  # three fitted parameters need at least one more point
+NOISE_MARGIN = 0.02  # run-to-run spread of A the paper treats as noise
+
+
+def sigmoid(C, A, B, C_mid, R0):
+    """The paper's curve. Written as R0 + (A - R0) * expit(B * (log C - log C_mid)), which is the same
+    function without overflow, and gives R0 at C = 0."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logc = np.log(np.asarray(C, dtype=float))
+    return R0 + (A - R0) * expit(B * (logc - np.log(C_mid)))
+
+
+@dataclass
+class SigmoidFit:
+    A: float
+    B: float
+    C_mid: float
+    R0: float
+    sse: float  # sum of squared errors in pass rate over the fitted points
+    rmse: float
+    window: tuple  # (c_lo, c_hi): compute range of the fitted points
+    n_points: int
+    A_std: float = float("nan")  # residual-bootstrap std of A
+    A_ci: tuple = (float("nan"), float("nan"))  # bootstrap 5th..95th percentile of A
+    method: str = "grid"
+
+    def predict(self, C):
+        return sigmoid(C, self.A, self.B, self.C_mid, self.R0)
+
+
+@dataclass
+class PowerLawFit:
+    A: float
+    D: float
+    B: float
+    sse: float
+    rmse: float
+    window: tuple
+    n_points: int
+
+    def predict(self, C):
+        return self.A - self.D / np.asarray(C, dtype=float) ** self.B
+
+
+def _window(C, R, c_min, c_max):
+    """Points with C > 0 inside [c_min, c_max], as float arrays."""
+    C, R = np.asarray(C, dtype=float).ravel(), np.asarray(R, dtype=float).ravel()
+    if C.shape != R.shape or not (np.all(np.isfinite(C)) and np.all(np.isfinite(R))):
+        raise ValueError(f"compute and pass rate must be finite numbers of equal length ({C.size} vs {R.size})")
+    keep = (C > 0) & (C >= (c_min if c_min is not None else 0)) & (C <= (c_max if c_max is not None else np.inf))
+    if keep.sum() < MIN_POINTS:
+        raise ValueError(f"need at least {MIN_POINTS} points with compute > 0 in the fit window, got {keep.sum()}")
+    return C[keep], R[keep]
+
+
+def _best_b(A, logcm, logc, R, R0, n_grid=25, n_golden=20):
+    """Least-squares B in every (A, C_mid) cell at once: a coarse log-grid of B brackets the minimum,
+    golden-section search narrows it. A, logcm: (K,); logc, R: (N,). Returns B, sse: (K,)."""
+    gain, d = (A - R0)[:, None], logc - logcm[:, None]  # (K, 1), (K, N)
+
+    def sse(logb):  # (K,) -> (K,)
+        return ((R0 + gain * expit(np.exp(logb)[:, None] * d) - R) ** 2).sum(-1)
+
+    grid = np.linspace(np.log(B_BOUNDS[0]), np.log(B_BOUNDS[1]), n_grid)
+    j = np.stack([sse(np.full(len(A), g)) for g in grid]).argmin(0)  # (K,)
+    lo, hi = grid[np.maximum(j - 1, 0)], grid[np.minimum(j + 1, n_grid - 1)]
+    g = (np.sqrt(5) - 1) / 2
+    x1, x2 = hi - g * (hi - lo), lo + g * (hi - lo)
+    f1, f2 = sse(x1), sse(x2)
+    for _ in range(n_golden):  # one new evaluation per step: the kept inner point is reused
+        left = f1 < f2  # the minimum lies in [lo, x2], else in [x1, hi]
+        hi, lo = np.where(left, x2, hi), np.where(left, lo, x1)
+        xn = np.where(left, hi - g * (hi - lo), lo + g * (hi - lo))
+        fn = sse(xn)
+        x1, x2, f1, f2 = (np.where(left, xn, x2), np.where(left, x1, xn),
+                          np.where(left, fn, f2), np.where(left, f1, fn))
+    logb = np.where(f1 < f2, x1, x2)
+    return np.exp(logb), np.minimum(f1, f2)
+
+
+def _grid_search(a_vals, logcm_vals, logc, R, R0):
+    """Every (A, C_mid) pair of the two grids; returns (A, B, log C_mid, sse) of the best cell."""
+    A, L = (m.ravel() for m in np.meshgrid(a_vals, logcm_vals, indexing="ij"))
+    B, sse = _best_b(A, L, logc, R, R0)
+    i = sse.argmin()
+    return A[i], B[i], L[i], sse[i]
+
+
+def _residuals_jac(p, logc, R0):
+    """Model and its Jacobian in the parameters (A, B, log C_mid): used by the bootstrap refits."""
+    A, B, L = p
+    s = expit(B * (logc - L))
+    ds = (A - R0) * s * (1 - s)
+    return R0 + (A - R0) * s, np.stack([s, ds * (logc - L), -ds * B], axis=1)
+
+
+def _bootstrap_a(p, logc, R, R0, bounds, n_boot, seed):
+    """Residual bootstrap: refit (from the best fit) to fitted curve + resampled residuals."""
+    fitted, _ = _residuals_jac(p, logc, R0)
+    resid, rng, a = R - fitted, np.random.default_rng(seed), []
+    p0 = np.clip(p, np.add(bounds[0], 1e-9), np.subtract(bounds[1], 1e-9))
+    for _ in range(n_boot):
+        y = fitted + rng.choice(resid, size=resid.size, replace=True)
+        sol = least_squares(lambda q: _residuals_jac(q, logc, R0)[0] - y, p0, bounds=bounds,
+                            jac=lambda q: _residuals_jac(q, logc, R0)[1])
+        a.append(sol.x[0])
+    return float(np.std(a)), (float(np.percentile(a, 5)), float(np.percentile(a, 95)))
+
+
+def fit_sigmoid(C, R, R0, c_min=None, c_max=None, method="grid", paper_grid=False, n_boot=100, seed=0,
+                fix_A=None):
+    """Fit A, B, C_mid with R0 fixed, on the points with C > 0 in [c_min, c_max] (choices 1, 2).
+    n_boot residual-bootstrap refits estimate the spread of A (0 to skip; ~0.2 s per 100 for 50 points).
+    fix_A holds A at a value and fits B, C_mid only: the paper compares the B of two recipes whose A agree
+    within 0.02 by refitting both at their average A. Then the grid result is final."""
+    if method not in ("grid", "curve_fit"):
+        raise ValueError(f"unknown method {method!r}: expected 'grid' or 'curve_fit'")
+    if not 0 <= R0 < 1:
+        raise ValueError(f"R0 must be a pass rate in [0, 1), got {R0}")
+    if fix_A is not None and not R0 < fix_A <= 1:
+        raise ValueError(f"fix_A must lie in (R0, 1] = ({R0}, 1], got {fix_A}")
+    a_lo, a_hi = (fix_A, fix_A) if fix_A is not None else (R0, 1.0)
+    C, R = _window(C, R, c_min, c_max)
+    if np.any(np.diff(C) < 0):
+        raise ValueError("compute must not decrease from one point to the next")
+    if R.max() - R0 < 0.01:
+        raise ValueError(f"pass rate never rises above R0={R0:.3f} by 0.01 (max {R.max():.3f}); nothing to fit")
+    logc = np.log(C)
+    if paper_grid:
+        a_vals, l_vals = PAPER_A_GRID[PAPER_A_GRID >= R0], np.log(PAPER_CMID_GRID)
+        a_vals = a_vals if fix_A is None else np.array([fix_A])
+        if a_vals.size == 0:
+            raise ValueError(f"R0={R0} is above the paper's A grid (0.45..0.80); use the adaptive grid")
+        A, B, L, sse = _grid_search(a_vals, l_vals, logc, R, R0)
+    else:
+        a_vals = np.unique(np.linspace(a_lo, a_hi, 41))
+        l_vals = np.linspace(logc.min() - np.log(10), logc.max() + np.log(100), 61)
+        A, B, L, sse = _grid_search(a_vals, l_vals, logc, R, R0)
+        da, dl = (a_hi - a_lo) / 40, l_vals[1] - l_vals[0]
+        for _ in range(50):  # zoom: 11 x 11 cells over +-2 steps around the best cell. A and C_mid trade
+            # off along a narrow valley: when the best cell is on the zoom's edge, follow the valley at the
+            # same step, otherwise halve the step, down to 1e-4 in log C_mid (about 1e-5 in A).
+            a_z = np.unique(np.clip(np.linspace(A - 2 * da, A + 2 * da, 11), a_lo, a_hi))
+            l_z = np.linspace(L - 2 * dl, L + 2 * dl, 11)
+            A, B, L, sse = _grid_search(a_z, l_z, logc, R, R0)
+            if not (L in (l_z[0], l_z[-1]) or (A in (a_z[0], a_z[-1]) and a_lo < A < a_hi)):
+                da, dl = da / 2, dl / 2
+            if dl < 1e-4:
+                break
+    lo = [R0, B_BOUNDS[0], min(l_vals.min(), L)]
+    hi = [1.0, B_BOUNDS[1], max(l_vals.max(), L)]
+    if method == "curve_fit" and fix_A is None:
+        p0 = np.clip([A, B, L], np.add(lo, 1e-9), np.subtract(hi, 1e-9))
+        p, _ = curve_fit(lambda x, a, b, l: _residuals_jac((a, b, l), x, R0)[0], logc, R, p0=p0,
+                         bounds=(lo, hi), jac=lambda x, a, b, l: _residuals_jac((a, b, l), x, R0)[1])
+        cf_sse = float(((_residuals_jac(p, logc, R0)[0] - R) ** 2).sum())
+        if cf_sse <= sse:  # keep the grid optimum if the polish did not improve it
+            (A, B, L), sse = p, cf_sse
+    fit = SigmoidFit(float(A), float(B), float(np.exp(L)), float(R0), float(sse),
+                     float(np.sqrt(sse / len(C))), (float(C.min()), float(C.max())), len(C), method=method)
+    if fix_A is not None:
+        fit.A_std, fit.A_ci = 0.0, (float(fix_A), float(fix_A))
+    elif n_boot > 0:
+        fit.A_std, fit.A_ci = _bootstrap_a(np.array([A, B, L]), logc, R, R0, (lo, hi), n_boot, seed)
+    return fit
+
+
+def fit_power_law(C, R, c_min=None, c_max=None):
+    """R = A - D / C**B with A <= 1 (the paper's baseline). For a fixed B the model is linear in (A, D): solve it in
+    closed form for a log-grid of B, then refine B between the best value's grid neighbours."""
+    C, R = _window(C, R, c_min, c_max)
+
+    def solve(b):  # scalar b -> (A, D, sse)
+        x = C ** -b
+        X = np.stack([np.ones_like(x), -x], axis=1)  # (N, 2)
+        (A, D), *_ = np.linalg.lstsq(X, R, rcond=None)
+        if A > 1.0:  # a pass rate cannot exceed 1: pin A and refit D alone
+            A, D = 1.0, float(x @ (1.0 - R) / (x @ x))
+        return A, D, float(((A - D * x - R) ** 2).sum())
+
+    grid = np.linspace(np.log(1e-3), np.log(10.0), 80)
+    j = int(np.argmin([solve(np.exp(g))[2] for g in grid]))
+    lo, hi = grid[max(j - 1, 0)], grid[min(j + 1, len(grid) - 1)]
+    B = float(np.exp(minimize_scalar(lambda g: solve(np.exp(g))[2], bounds=(lo, hi), method="bounded").x))
+    A, D, sse = solve(B)
+    return PowerLawFit(float(A), float(D), B, sse, float(np.sqrt(sse / len(C))),
+                       (float(C.min()), float(C.max())), len(C))
+
+
+@dataclass
+class ExtrapolationCheck:
+    fit: SigmoidFit
+    max_abs_err: float  # over the held-out points after the fit window
+    mean_abs_err: float
+    final_err: float  # signed: prediction minus measurement at the last point
+    n_fit: int
+    n_test: int
+
+
+def extrapolation_check(C, R, R0, fit_fraction=0.5, fit_until=None, **fit_kw):
+    """Fit on C <= fit_until (default fit_fraction * max C, the paper's half budget) and measure the
+    prediction error on the later points (choice 3). fit_kw go to fit_sigmoid."""
+    C, R = np.asarray(C, dtype=float), np.asarray(R, dtype=float)
+    cut = fit_until if fit_until is not None else fit_fraction * C.max()
+    fit = fit_sigmoid(C, R, R0, c_max=cut, **fit_kw)
+    test = C > cut
+    if not test.any():
+        raise ValueError(f"no points after the fit window (C <= {cut:.4g}) to check the extrapolation on")
+    err = fit.predict(C[test]) - R[test]
+    return ExtrapolationCheck(fit, float(np.abs(err).max()), float(np.abs(err).mean()), float(err[-1]),
+                              fit.n_points, int(test.sum()))
+
+
+def slope_transform(C, R, A, R0):
+    """(log C, log((R - R0) / (A - R))): on the fitted curve a line of slope B crossing 0 at log C_mid
+    (Fig. 7; the negative of log((A - R0) / (R - R0) - 1)). NaN where R is not strictly between R0 and A."""
+    C, R = np.asarray(C, dtype=float), np.asarray(R, dtype=float)
+    ok = (C > 0) & (R > R0) & (R < A)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(C > 0, np.log(C), np.nan), np.where(ok, np.log((R - R0) / (A - R)), np.nan)
+
+
+def plot_runs(runs, path, power_law=False, fit_until=None):
+    """Pass rate vs compute (log x) for several runs on one figure. runs: dicts with label, C, R, R0 and
+    optionally fit (SigmoidFit) and power (PowerLawFit); missing fits are made on C <= fit_until.
+    Solid: the fit window; dashed: the extrapolation; band: A +- 0.02 (the paper's noise margin)."""
+    from matplotlib.figure import Figure  # no pyplot: draws headless, leaves the caller's backend alone
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
+    for i, run in enumerate(runs):
+        color, C, R = f"C{i}", np.asarray(run["C"], dtype=float), np.asarray(run["R"], dtype=float)
+        fit = run.get("fit") or fit_sigmoid(C, R, run["R0"], c_max=fit_until, n_boot=0)
+        lo, hi = fit.window
+        inside = (C >= lo) & (C <= hi)  # fitted points filled, the others (early or held out) hollow
+        ax.scatter(C[inside], R[inside], s=12, color=color, alpha=0.7)
+        ax.scatter(C[~inside & (C > 0)], R[~inside & (C > 0)], s=12, facecolors="none", edgecolors=color)
+        x_in, x_out = np.geomspace(lo, hi, 200), np.geomspace(hi, max(C.max(), hi) * 4, 100)
+        pm = f"+-{fit.A_std:.3f}" if np.isfinite(fit.A_std) else ""
+        label = f"{run['label']}: A={fit.A:.3f}{pm} B={fit.B:.2f} C_mid={fit.C_mid:.3g}"
+        ax.plot(x_in, fit.predict(x_in), color=color, label=label)
+        ax.plot(x_out, fit.predict(x_out), "--", color=color)
+        ax.axhline(fit.A, color=color, lw=0.8, alpha=0.6)
+        ax.axhspan(fit.A - NOISE_MARGIN, fit.A + NOISE_MARGIN, color=color, alpha=0.08)
+        if power_law:
+            pl = run.get("power") or fit_power_law(C, R, c_min=lo, c_max=hi)
+            xs = np.concatenate([x_in, x_out])
+            ax.plot(xs, np.minimum(pl.predict(xs), 1.0), ":", color=color, label=f"  power law: A={pl.A:.3f}")
+    ax.set(xscale="log", xlabel="compute (device-hours)", ylabel="pass rate")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def read_points(path, compute_key="device_hours", metric_key="pass_rate"):
+    """(C, R, r0_guess) from a metrics.jsonl (eval rows: those holding metric_key) or a CSV of
+    compute,pass_rate. Only points with C > 0 are returned; r0_guess is R at compute 0 (None if absent).
+    A torn last jsonl line (a run killed mid-write) is skipped with a warning."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: no such file (expected a metrics.jsonl, a run directory or a CSV)")
+    with open(path) as f:
+        lines = [(i + 1, s) for i, s in enumerate(f) if s.strip()]
+    rows = []
+    if path.lower().endswith(".csv"):
+        for n, line in lines:
+            cells = next(csv.reader([line]))
+            try:
+                rows.append((n, float(cells[0]), float(cells[1])))
+            except (ValueError, IndexError):
+                if n != lines[0][0]:  # only the first line may be a header
+                    raise ValueError(f"{path}:{n}: expected two numbers 'compute,pass_rate', got {line.strip()!r}")
+    else:
+        for n, line in lines:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                if n == lines[-1][0]:
+                    print(f"warning: {path}:{n}: ignoring a torn last line ({e.msg})", file=sys.stderr)
+                    continue
+                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})")
+            if isinstance(row, dict) and metric_key in row:
+                if not all(isinstance(row.get(k), (int, float)) for k in (compute_key, metric_key)):
+                    raise ValueError(f"{path}:{n}: eval row needs numbers {compute_key!r} and {metric_key!r}")
+                rows.append((n, float(row[compute_key]), float(row[metric_key])))
+    if not rows:
+        raise ValueError(f"{path}: no points found (expected rows with {compute_key!r} and {metric_key!r})")
+    n, C, R = (np.array(v) for v in zip(*rows))
+    if not (np.all(np.isfinite(C)) and np.all(np.isfinite(R))) or C.min() < 0:
+        raise ValueError(f"{path}: compute must be finite and >= 0, pass rates finite")
+    if np.any(np.diff(C) < 0):
+        k = int(np.argmax(np.diff(C) < 0)) + 1
+        raise ValueError(f"{path}:{n[k]}: compute decreases ({C[k - 1]:.4g} then {C[k]:.4g}); it must not")
+    r0 = float(R[C == 0][0]) if np.any(C == 0) else None
+    return C[C > 0], R[C > 0], r0
+
+
+def analyze(paths, plot=None, fit_until=None, c_min=None, r0=None, power_law=False, metric_key="pass_rate"):
+    """Fit every run, return the report: parameters, A's bootstrap spread, extrapolation check."""
+    runs = []
+    out = [f"{'run':<28} {'n':>4} {'window':>19} {'R0':>6} {'A':>6} {'A 90% (boot)':>13} {'B':>5} {'C_mid':>9} "
+           f"{'rmse':>7}"]
+    for p in paths:
+        C, R, r0_guess = read_points(p, metric_key=metric_key)
+        R0 = r0 if r0 is not None else r0_guess
+        if R0 is None:
+            raise ValueError(f"{p}: no point at compute 0 to take R0 from; add one or pass --r0")
+        try:
+            fit = fit_sigmoid(C, R, R0, c_min=c_min, c_max=fit_until)
+            power = fit_power_law(C, R, c_min=c_min, c_max=fit_until) if power_law else None
+        except ValueError as e:
+            raise ValueError(f"{p}: {e}") from None
+        q = os.path.normpath(p)  # label: the run directory's name, or the file name of a CSV
+        label = os.path.basename(os.path.dirname(q) if q.endswith("metrics.jsonl") else q) or p
+        runs.append(dict(label=label, C=C, R=R, R0=R0, fit=fit, power=power))
+        w = f"[{fit.window[0]:.3g}, {fit.window[1]:.3g}]"
+        out.append(f"{label[-28:]:<28} {fit.n_points:>4} {w:>19} {R0:>6.3f} {fit.A:>6.3f} "
+                   f"{fit.A_ci[0]:>6.3f}-{fit.A_ci[1]:.3f} {fit.B:>5.2f} {fit.C_mid:>9.3g} {fit.rmse:>7.4f}")
+    for run in runs:
+        fit, C = run["fit"], run["C"]
+        out.append(f"\n{run['label']}: A = {fit.A:.3f} +- {fit.A_std:.3f} (bootstrap std over the fit window); "
+                   f"the paper treats A differences below {NOISE_MARGIN} as noise.")
+        if fit.window[1] < 3 * fit.C_mid:
+            out.append(f"  note: the fit window ends below 3 x C_mid ({fit.window[1]:.3g} < {3 * fit.C_mid:.3g}):"
+                       " A is an extrapolation, train longer to pin it down.")
+        try:
+            ex = extrapolation_check(C, run["R"], run["R0"], fit_until=fit_until, c_min=c_min, n_boot=0)
+            out.append(f"  extrapolation: fit on C <= {ex.fit.window[1]:.3g} ({ex.n_fit} points, A={ex.fit.A:.3f}), "
+                       f"predict {ex.n_test} later points: max |err| {ex.max_abs_err:.4f}, mean {ex.mean_abs_err:.4f}, "
+                       f"final {ex.final_err:+.4f} (prediction - measured)")
+        except ValueError as e:
+            out.append(f"  extrapolation check skipped: {e}")
+        if run["power"] is not None:
+            pl = run["power"]
+            out.append(f"  power law R = A - D/C^B: A={pl.A:.3f} D={pl.D:.3g} B={pl.B:.3f} rmse={pl.rmse:.4f}"
+                       f" (A {pl.A - fit.A:+.3f} vs the sigmoid)")
+    if plot:
+        plot_runs(runs, plot, power_law=power_law, fit_until=fit_until)
+        out.append(f"\nwrote {plot}")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Fit the ScaleRL compute-performance sigmoid to run logs.")
+    ap.add_argument("paths", nargs="+", help="metrics.jsonl, run directory, or CSV of compute,pass_rate")
+    ap.add_argument("--fit-until", type=float, help="fit on compute <= X, check the prediction after it")
+    ap.add_argument("--c-min", type=float, help="exclude points with compute < X (paper: 1.5k GPU-hours)")
+    ap.add_argument("--r0", type=float, help="pass rate before RL (default: the log's row at compute 0)")
+    ap.add_argument("--plot", help="write the figure to this PNG")
+    ap.add_argument("--power-law", action="store_true", help="also fit the power-law baseline")
+    ap.add_argument("--metric", default="pass_rate", help="eval column to fit (default pass_rate)")
+    args = ap.parse_args(argv)
+    try:
+        print(analyze(args.paths, plot=args.plot, fit_until=args.fit_until, c_min=args.c_min, r0=args.r0,
+                      power_law=args.power_law, metric_key=args.metric))
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
