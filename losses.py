@@ -1,0 +1,279 @@
+"""The ScaleRL objective and its peers as plain tensor functions: advantages, per-token policy losses,
+aggregation, FP32-head token logprobs and the diagnostics a trainer logs.
+
+Vanilla policy gradient (REINFORCE) minimises `-r * log pi(y_t)` on samples from the current policy. Each
+piece here changes one thing about that (paper sections in brackets):
+
+1. Advantage (Sec. 3.2): subtract the mean reward of the prompt's group of G completions, `A_i = r_i - mean`;
+   then divide by the std of all A_i in the batch (ScaleRL), by the prompt's own std (GRPO) or by nothing
+   (Dr. GRPO). A group whose completions all got the same reward has A = 0: it carries no signal.
+2. Importance ratio (Sec. 3.1): tokens come from the generator, which lags the trainer (PipelineRL) and
+   computes in other kernels, so every loss reweights by `rho = pi_train(y_t) / pi_gen(y_t)`, taken against
+   the generator's own logprob of the token.
+3. CISPO (Sec. 3.2): REINFORCE weighted by `sg(min(rho, eps_max))`. The weight is a constant (stop-gradient),
+   capped from above only, so no token ever loses its gradient; a huge ratio just stops growing. eps_max = 4
+   (the paper saw no difference between 4, 5 and 8).
+4. PPO clipping (DAPO, GRPO; Sec. 3.2): the surrogate `rho * A` is clipped to `[1 - eps_low, 1 + eps_high]`;
+   a token whose ratio left that range in the direction the advantage pushes gets zero gradient. DAPO
+   raises the upper bound (0.2 / 0.28, "clip-higher"); GRPO is symmetric (0.2 / 0.2). No dual clip, no KL.
+5. GSPO (Sec. 3.2): one ratio per sequence, the geometric mean of its token ratios, clipped PPO-style with
+   tiny ranges (3e-3 / 5e-3 worked for the paper; GSPO's own 3e-4 / 4e-4 did not).
+6. Aggregation (Sec. 3.2): how token losses become one number. Prompt average (ScaleRL: each prompt counts
+   once, its tokens share its weight), sample average (GRPO), token average (DAPO).
+7. FP32 head (Sec. 3.2, Fig. 5b): logprobs from float32 logits on both generator and trainer, after the
+   sampling temperature; it lifted the asymptote from 0.52 to 0.61 by removing a ratio bias.
+
+ScaleRL = CISPO + prompt aggregation + batch advantage normalisation + zero-variance filtering +
+No-Positive-Resampling + FP32 head. Filtering and resampling act on prompts and live in data.py: pass only
+the kept groups here, or zero the mask of dropped ones (a group without loss tokens is not counted).
+
+Run the tests with `python -m pytest tests/test_losses.py -q`, the memory benchmark of the chunked FP32 head
+with `python bench/token_logprobs.py`.
+"""
+import inspect
+
+import torch
+
+# ----------------------------------------------------------------------------- advantages (Sec. 3.2)
+
+
+def group_advantages(rewards, group, norm="batch", eps=1e-6):
+    """(B,) advantages from (B,) rewards and (B,) integer prompt ids (any values, any order)."""
+    if rewards.dim() != 1 or group.shape != rewards.shape:
+        raise ValueError(f"rewards and group must both be (B,); got {tuple(rewards.shape)}, {tuple(group.shape)}")
+    if norm not in ("batch", "prompt", "none"):
+        raise ValueError(f"norm must be one of 'batch', 'prompt', 'none'; got {norm!r}")
+    r = rewards if rewards.is_floating_point() else rewards.float()
+    _, idx = torch.unique(group, return_inverse=True)  # (B,) group index 0..n-1
+    n = int(idx.max()) + 1 if idx.numel() else 0
+
+    def per_group(x, how="sum"):  # (n,) reduction of x over each group's completions
+        return r.new_zeros(n).scatter_reduce(0, idx, x, how, include_self=False)
+
+    count = per_group(torch.ones_like(r))  # (n,)
+    adv = r - (per_group(r) / count)[idx]
+    live = (per_group(r, "amax") > per_group(r, "amin"))[idx]  # (B,) the group's rewards differ
+    adv = torch.where(live, adv, torch.zeros_like(adv))  # exactly 0, not round-off
+    if norm == "batch":  # ScaleRL: one std over the completions of the kept groups (unbiased; our choice)
+        std = adv[live].std() if live.sum() > 1 else 0.0  # no live group: nothing to learn from
+        return adv / std if std > 0 else torch.zeros_like(adv)
+    if norm == "prompt":  # GRPO: each group by its own (unbiased) std
+        var = per_group(adv * adv) / (count - 1).clamp(min=1)
+        return adv / (var.sqrt()[idx] + eps)
+    return adv  # "none": Dr. GRPO
+
+
+# ----------------------------------------------------------------------------- per-token losses (Sec. 3.2)
+
+
+def _per_token(adv, logp):
+    """Advantages as (B, T): a (B,) sequence advantage is broadcast over its tokens."""
+    if adv.dim() == 1 and adv.shape[0] == logp.shape[0]:
+        return adv[:, None]
+    if adv.shape == logp.shape:
+        return adv
+    raise ValueError(f"adv must be (B,) or (B, T) with (B, T) = {tuple(logp.shape)}; got {tuple(adv.shape)}")
+
+
+def cispo(logp, gen_logp, adv, eps_max=4.0):
+    """CISPO: -sg(min(rho, eps_max)) * A * logp, (B, T). rho has no lower bound; eps_max is absolute."""
+    rho = torch.exp(logp - gen_logp).detach()  # (B, T) stop-gradient: only the last logp carries gradient
+    return -rho.clamp(max=eps_max) * _per_token(adv, logp) * logp
+
+
+def ppo_clip(logp, gen_logp, adv, eps_low=0.2, eps_high=0.28):
+    """PPO clipped surrogate, (B, T): DAPO with the defaults, GRPO with 0.2 / 0.2. No dual clip."""
+    rho = torch.exp(logp - gen_logp)  # (B, T)
+    a = _per_token(adv, logp)
+    return -torch.minimum(rho * a, rho.clamp(1 - eps_low, 1 + eps_high) * a)
+
+
+def _seq_log_ratio(logp, gen_logp, mask):
+    """(B,) log of GSPO's sequence ratio: mean over loss tokens of log(pi_train / pi_gen)."""
+    m = mask.bool()
+    diff = torch.where(m, logp - gen_logp, torch.zeros_like(logp))  # padding may hold any value
+    return diff.sum(-1) / m.sum(-1).clamp(min=1)
+
+
+def gspo(logp, gen_logp, adv, mask, eps_low=3e-3, eps_high=5e-3):
+    """GSPO in token form, (B, T): s_it = sg(s_i) * pi/sg(pi) has the value of the sequence ratio s_i and
+    the gradient s_i * grad log pi(y_t); with a per-sequence A and sample aggregation this is exactly
+    sequence-level GSPO (tested)."""
+    log_s = _seq_log_ratio(logp, gen_logp, mask).detach()  # (B,)
+    s = torch.exp(log_s[:, None] + logp - logp.detach())  # (B, T)
+    a = _per_token(adv, logp)
+    return -torch.minimum(s * a, s.clamp(1 - eps_low, 1 + eps_high) * a)
+
+
+# ----------------------------------------------------------------------------- aggregation (Sec. 3.2)
+
+
+def aggregation_weights(mask, group, how="prompt", dtype=None):
+    """(B, T) weights w with aggregate = (per_token * w).sum(). Computed once on the whole batch, they can
+    be sliced to micro-batches and the sliced sums add up to the full loss exactly. Completions (prompts)
+    without loss tokens contribute nothing and are not counted."""
+    if how not in ("prompt", "sample", "token"):
+        raise ValueError(f"how must be one of 'prompt', 'sample', 'token'; got {how!r}")
+    if mask.dim() != 2 or group.shape != mask.shape[:1]:
+        raise ValueError(f"mask must be (B, T) and group (B,); got {tuple(mask.shape)} and {tuple(group.shape)}")
+    dtype = dtype or (mask.dtype if mask.is_floating_point() else torch.float32)
+    m = mask.bool().to(dtype)  # (B, T)
+    n_tok = m.sum(-1)  # (B,) loss tokens per completion
+    if how == "token":  # DAPO: every token counts the same
+        return m / m.sum().clamp(min=1)
+    if how == "sample":  # GRPO: mean over completions of each completion's token mean
+        return m / n_tok.clamp(min=1)[:, None] / (n_tok > 0).sum().clamp(min=1)
+    # ScaleRL: mean over prompts of (sum of the prompt's token losses / T_p), T_p over all its completions
+    _, idx = torch.unique(group, return_inverse=True)
+    t_p = m.new_zeros(int(idx.max()) + 1 if idx.numel() else 0).index_add_(0, idx, n_tok)  # (n_prompts,)
+    return m / t_p[idx].clamp(min=1)[:, None] / (t_p > 0).sum().clamp(min=1)
+
+
+def aggregate(per_token, mask, group, how="prompt"):
+    """Scalar loss from (B, T) token losses; tokens outside the mask are ignored (even if inf or nan)."""
+    w = aggregation_weights(mask, group, how, dtype=per_token.dtype)
+    return torch.where(mask.bool(), per_token * w, torch.zeros_like(per_token)).sum()
+
+
+# ----------------------------------------------------------------------------- registry and entry point
+
+# Every entry takes (logp, gen_logp, adv, mask, **options); its keyword defaults are the paper's values
+# (Sec. 3.2, Sec. 4) and policy_loss reads them from the signature for its diagnostics.
+LOSSES = {
+    "cispo": lambda lp, gen, adv, mask, eps_max=4.0: cispo(lp, gen, adv, eps_max),
+    "dapo": lambda lp, gen, adv, mask, eps_low=0.2, eps_high=0.28: ppo_clip(lp, gen, adv, eps_low, eps_high),
+    "grpo": lambda lp, gen, adv, mask, eps_low=0.2, eps_high=0.2: ppo_clip(lp, gen, adv, eps_low, eps_high),
+    "gspo": gspo,
+}
+
+
+def policy_loss(logp, gen_logp, adv, mask, weights, loss="cispo", **kw):
+    """(scalar loss, diagnostics). `weights` come from aggregation_weights on the whole batch (sliced for a
+    micro-batch); kw overrides the loss's options (eps_max; eps_low, eps_high)."""
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {sorted(LOSSES)}; got {loss!r}")
+    fn = LOSSES[loss]
+    opts = {k: p.default for k, p in inspect.signature(fn).parameters.items() if p.default is not p.empty}
+    if set(kw) - set(opts):
+        raise ValueError(f"loss {loss!r} takes options {sorted(opts)}; got {sorted(kw)}")
+    opts.update(kw)
+    if not (logp.shape == gen_logp.shape == mask.shape == weights.shape) or logp.dim() != 2:
+        shapes = [tuple(x.shape) for x in (logp, gen_logp, mask, weights)]
+        raise ValueError(f"logp, gen_logp, mask, weights must all be the same (B, T); got {shapes}")
+    m = mask.bool()
+    per_token = fn(logp, gen_logp, adv, mask, **opts)  # (B, T)
+    total = torch.where(m, per_token * weights, torch.zeros_like(per_token)).sum()
+    with torch.no_grad():
+        rho = torch.exp(logp - gen_logp)  # (B, T) token ratios
+        if loss == "cispo":  # truncated: the weight was capped
+            clipped = rho > opts["eps_max"]
+        else:  # the clipped branch is the minimum: this token's gradient is zero
+            r = rho if loss != "gspo" else torch.exp(_seq_log_ratio(logp, gen_logp, mask))[:, None].expand_as(rho)
+            a = _per_token(adv, logp)
+            clipped = ((a > 0) & (r > 1 + opts["eps_high"])) | ((a < 0) & (r < 1 - opts["eps_low"]))
+        n = int(m.sum())
+        diag = {
+            "clip_frac": float(clipped[m].sum()) / max(n, 1),
+            "ratio_mean": float(rho[m].mean()) if n else 0.0,
+            "ratio_max": float(rho[m].max()) if n else 0.0,
+            "mismatch_kl": float((gen_logp - logp)[m].mean()) if n else 0.0,  # estimates KL(gen || train)
+            "n_tokens": n,
+        }
+    return total, diag
+
+
+# ----------------------------------------------------------------------------- FP32-head logprobs (Sec. 3.2)
+
+
+class _FP32HeadLogprobs(torch.autograd.Function):
+    """Logprobs (and entropy) of targets under softmax(h W^T / tau), chunk by chunk over tokens. Forward
+    keeps only a log-normaliser per token; backward recomputes each chunk's logits. Both passes work in
+    place in one reused (chunk, V) buffer (a second one only if the entropy itself is differentiated):
+    autograd through log_softmax would keep every chunk's logits, and per-chunk checkpointing still holds
+    several (chunk, V) tensors at once and pays for fresh pages on every chunk."""
+
+    @staticmethod
+    def forward(ctx, h, w, targets, chunk, tau, want_entropy):  # h (N, H), w (V, H), targets (N,)
+        dt = torch.promote_types(torch.promote_types(h.dtype, w.dtype), torch.float32)
+        wf = w.to(dt)
+        buf = wf.new_empty(min(chunk, h.shape[0]), w.shape[0])  # (C, V): the only large tensor
+        lp = wf.new_empty(h.shape[0])
+        lse, ent = torch.empty_like(lp), torch.empty_like(lp)
+        for i in range(0, h.shape[0], chunk):
+            _, z = _chunk_logits(h, wf, i, chunk, tau, buf)
+            zmax = z.amax(-1, keepdim=True)
+            z.sub_(zmax)
+            tgt = z.gather(1, targets[i:i + chunk, None])[:, 0]
+            s = z.exp_().sum(-1)  # z now holds exp(logits - max)
+            if want_entropy:  # -sum p log p with p = exp / sum, still in the same buffer
+                ent[i:i + chunk] = torch.special.entr(z.div_(s[:, None]), out=z).sum(-1)
+            lse[i:i + chunk] = s.log() + zmax[:, 0]
+            lp[i:i + chunk] = tgt + zmax[:, 0] - lse[i:i + chunk]
+        ctx.chunk, ctx.tau = chunk, tau
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(h, w, targets, lse, ent)
+        return (lp, ent) if want_entropy else lp
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent=None):
+        h, w, targets, lse, ent = ctx.saved_tensors
+        if g_lp is None and g_ent is None:
+            return (None,) * 6
+        chunk, tau = ctx.chunk, ctx.tau
+        wf = w.to(lse.dtype)
+        buf = wf.new_empty(min(chunk, h.shape[0]), w.shape[0])
+        grad_h = wf.new_empty(h.shape) if ctx.needs_input_grad[0] else None
+        grad_w = wf.new_zeros(w.shape) if ctx.needs_input_grad[1] else None
+        for i in range(0, h.shape[0], chunk):
+            hc, g = _chunk_logits(h, wf, i, chunk, tau, buf)
+            g.sub_(lse[i:i + chunk, None])  # log-probabilities
+            # d logp_target / dz = onehot - p ; d entropy / dz = -p (log p + H) ; z = logits / tau
+            if g_ent is not None:
+                p = g.exp()  # second buffer, only when the entropy is differentiated
+                g.add_(ent[i:i + chunk, None]).mul_(p).mul_(-g_ent[i:i + chunk, None])
+                if g_lp is not None:
+                    g.sub_(p.mul_(g_lp[i:i + chunk, None]))
+                del p
+            else:
+                g.exp_().mul_(-g_lp[i:i + chunk, None])
+            if g_lp is not None:
+                g.scatter_add_(1, targets[i:i + chunk, None], g_lp[i:i + chunk, None])
+            if tau != 1.0:
+                g.div_(tau)
+            if grad_h is not None:
+                grad_h[i:i + chunk] = g @ wf
+            if grad_w is not None:
+                grad_w.addmm_(g.T, hc)
+        return (None if grad_h is None else grad_h.to(h.dtype), None if grad_w is None else grad_w.to(w.dtype),
+                None, None, None, None)
+
+
+def _chunk_logits(h, wf, i, chunk, tau, buf):
+    """Tokens i..i+chunk: their hidden states in the head's dtype, (C, H), and logits / tau, (C, V), in buf."""
+    hc = h[i:i + chunk].to(wf.dtype)
+    z = torch.mm(hc, wf.T, out=buf[:hc.shape[0]])
+    return hc, (z.div_(tau) if tau != 1.0 else z)
+
+
+def token_logprobs(hidden, head_weight, targets, chunk=1024, temperature=1.0, return_entropy=False):
+    """(B, T) logprobs of targets under the LM head computed in FP32 (Sec. 3.2), after temperature (the
+    distribution actually sampled); with return_entropy also the (B, T) entropy. hidden (B, T, H) of any
+    dtype, head_weight (V, H). Results are float32 (float64 if an input is float64). Differentiable in
+    hidden and head_weight; the full (B*T, V) float32 logits never exist, in forward or backward."""
+    if hidden.dim() != 3 or head_weight.dim() != 2 or hidden.shape[-1] != head_weight.shape[1]:
+        raise ValueError(f"need hidden (B, T, H) and head_weight (V, H); got {tuple(hidden.shape)}, "
+                         f"{tuple(head_weight.shape)}")
+    if targets.shape != hidden.shape[:2] or targets.is_floating_point():
+        raise ValueError(f"targets must be integer (B, T) = {tuple(hidden.shape[:2])}; got {targets.dtype} "
+                         f"{tuple(targets.shape)}")
+    if targets.numel() and (targets.min() < 0 or targets.max() >= head_weight.shape[0]):
+        raise ValueError(f"targets must lie in [0, {head_weight.shape[0]}); got values from {int(targets.min())} "
+                         f"to {int(targets.max())}")
+    if int(chunk) < 1 or temperature <= 0:
+        raise ValueError(f"chunk must be >= 1 and temperature > 0; got chunk={chunk}, temperature={temperature}")
+    B, T, H = hidden.shape
+    out = _FP32HeadLogprobs.apply(hidden.reshape(B * T, H), head_weight, targets.reshape(-1).long(),
+                                  int(chunk), float(temperature), bool(return_entropy))
+    if return_entropy:
+        return out[0].view(B, T), out[1].view(B, T)
+    return out.view(B, T)
