@@ -100,26 +100,29 @@ class TorchEngine:
         self.model, self.eos_id, self.temperature, self.head_dtype = model.eval(), eos_id, temperature, head_dtype
         self.think_budget, self.answer_budget = think_budget, answer_budget  # (lo, hi) drawn per completion; int
         self.think_close, self.interrupt_ids = list(think_close_ids), interrupt_ids  # None: interruption off
+        if interrupt_ids is not None and list(interrupt_ids[-len(think_close_ids):]) != self.think_close:
+            raise ValueError("the interruption phrase must end with the </think> tokens, so the answer budget starts")
+        self.max_prompt = max_prompt
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.max_len = max_prompt + think_budget[1] + len(interrupt_ids or []) + answer_budget + 1
         self.cache = SlotCache(cfg.num_hidden_layers, slots, cfg.num_key_value_heads, self.max_len, head_dim,
                                next(model.parameters()).dtype)
         self.slots = [None] * slots      # per slot: dict of the running completion's state, or None
-        self.waiting = []                # (sample template, remaining count) in admission order
+        self.waiting = []                # [sample template, remaining count, prompt's last hidden] in admission order
         self.groups = {}                 # group id -> [samples, n_unfinished]
         self.version = 0
         self.rng = torch.Generator().manual_seed(seed)  # token sampling
         self.budget_rng = random.Random(seed)           # thinking budgets
-        self.stats = dict(decode_steps=0, busy_slot_steps=0, tokens=0)
+        self.stats = dict(decode_steps=0, busy_slot_steps=0, tokens=0, prefills=0)
 
     # -- interface ---------------------------------------------------------------------------------------------------
     def add(self, template, n):
         """Queue n completions of `template.prompt_tokens`; they finish together as one group."""
-        if len(template.prompt_tokens) + 1 > self.max_len - self.think_budget[1] - self.answer_budget:
-            raise ValueError(f"prompt of {len(template.prompt_tokens)} tokens exceeds max_prompt; raise max_prompt")
+        if len(template.prompt_tokens) > self.max_prompt:
+            raise ValueError(f"prompt of {len(template.prompt_tokens)} tokens exceeds max_prompt={self.max_prompt}")
         self.groups[template.group] = [[], n]
-        self.waiting.append([template, n])
+        self.waiting.append([template, n, None])
 
     @property
     def busy(self):
@@ -187,46 +190,59 @@ class TorchEngine:
         """Continuous batching: start waiting completions in free slots; one prefill per prompt, KV copied to siblings."""
         free = [i for i, s in enumerate(self.slots) if s is None]
         while free and self.waiting:
-            template, n = self.waiting[0]
-            take = free[:n]
-            free = free[n:]
+            template, n, hidden = self.waiting[0]
+            take, free = free[:n], free[n:]
             P = len(template.prompt_tokens)
-            hidden = self._forward(take[0], torch.tensor([template.prompt_tokens]), torch.tensor([0]))[0, -1]
-            for i in take[1:]:
-                self.cache.copy_slot(take[0], i, P)
+            sibling = next((i for i, s in enumerate(self.slots) if s and s["sample"].group == template.group), None)
+            if hidden is None or sibling is None:  # prefill (once per prompt while a sibling still holds its KV)
+                hidden = self._forward(take[0], torch.tensor([template.prompt_tokens]), torch.tensor([0]))[0, -1]
+                sibling, self.stats["prefills"] = take[0], self.stats["prefills"] + 1
             for i in take:
-                lo, hi = self.think_budget
+                if i != sibling:
+                    self.cache.copy_slot(sibling, i, P)
                 s = Sample(template.prompt_id, template.group, template.prompt_tokens, meta=template.meta)
-                self.slots[i] = dict(sample=s, len=P, pending=None, think=True, left=self.budget_rng.randint(lo, hi),
-                                     forced=[])
+                self.slots[i] = dict(sample=s, len=P, pending=None, think=True,
+                                     left=self.budget_rng.randint(*self.think_budget))
             self._advance(take, hidden.expand(len(take), -1), [])
             if len(take) == n:
                 self.waiting.pop(0)
             else:
-                self.waiting[0][1] = n - len(take)
+                self.waiting[0][1:] = [n - len(take), hidden]
+
+    def _interrupt(self, i):
+        """Thinking hit its budget: write the phrase (ending in </think>) into the slot in one forward. Its tokens
+        are forced, not sampled: no logprob, masked from the loss (App. A.10)."""
+        st, phrase = self.slots[i], list(self.interrupt_ids)
+        s = st["sample"]
+        self._forward(i, torch.tensor([[st["pending"]] + phrase[:-1]]), torch.tensor([st["len"]]))
+        st["len"] += len(phrase)
+        st["pending"], st["think"], st["left"] = phrase[-1], False, self.answer_budget
+        s.tokens += phrase
+        s.logprobs += [0.0] * len(phrase)
+        s.versions += [self.version] * len(phrase)
+        s.forced += [True] * len(phrase)
+        s.interrupted = True
+        self.stats["tokens"] += len(phrase)
 
     def _advance(self, idx, hidden, done):
-        """Choose each slot's next token (sampled, or the next forced one), then apply the stop rules."""
+        """Sample each slot's next token, then apply the stop rules and the forced interruption."""
         tok, logp = self._sample(hidden)
         for j, i in enumerate(idx):
             st = self.slots[i]
             s = st["sample"]
-            if st["forced"]:
-                t, lp, forced = st["forced"].pop(0), 0.0, True
-            else:
-                t, lp, forced = int(tok[j]), float(logp[j]), False
-            s.tokens.append(t), s.logprobs.append(lp), s.versions.append(self.version), s.forced.append(forced)
+            t = int(tok[j])
+            s.tokens.append(t), s.logprobs.append(float(logp[j])), s.versions.append(self.version), s.forced.append(False)
             st["pending"] = t
             self.stats["tokens"] += 1
             st["left"] -= 1
-            finished = t == self.eos_id and not forced
-            if st["think"] and not st["forced"] and s.tokens[-len(self.think_close):] == self.think_close:
+            finished = t == self.eos_id
+            if st["think"] and s.tokens[-len(self.think_close):] == self.think_close:
                 st["think"], st["left"] = False, self.answer_budget  # thinking closed: the answer budget starts
             elif st["think"] and st["left"] <= 0 and not finished:
                 if self.interrupt_ids is None:
                     finished = s.truncated = True  # no interruption: the thinking budget is a hard stop
                 else:
-                    st["forced"], s.interrupted, st["left"] = list(self.interrupt_ids), True, 10 ** 9
+                    self._interrupt(i)
             elif not st["think"] and st["left"] <= 0 and not finished:
                 finished = s.truncated = True
             if finished:

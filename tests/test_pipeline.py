@@ -178,11 +178,18 @@ def test_pipeline_k0_equals_synchronous_ppo_k1():
                 assert sa.tokens == sb.tokens and sa.logprobs == sb.logprobs and sa.versions == sb.versions
 
 
-def test_continuous_batching_refills_slots():
-    eng = engine(tiny_model(), slots=4)
-    out = eng.generate(templates(6), 2)  # 12 completions through 4 slots
-    assert sum(len(g) for g in out) == 12
-    assert eng.stats["busy_slot_steps"] / (eng.stats["decode_steps"] * 4) > 0.6
+def test_continuous_batching_refills_slots_and_shares_prefill():
+    m = tiny_model()
+    eng = engine(copy.deepcopy(m), slots=5)
+    out = eng.generate(templates(6), 4)  # 24 completions through 5 slots: groups start in pieces
+    assert sum(len(g) for g in out) == 24
+    assert eng.stats["busy_slot_steps"] / (eng.stats["decode_steps"] * 5) > 0.6
+    assert eng.stats["prefills"] < 24  # a split group copies its prompt's KV from a running sibling
+    for s in (s for g in out for s in g):  # ... and the copied cache gives the same numbers as a full forward
+        free = ~torch.tensor(s.forced)
+        assert (trainer_logprobs(m, s) - torch.tensor(s.logprobs))[free].abs().max() < 2e-5
+    with pytest.raises(ValueError, match="max_prompt"):
+        eng.add(pipeline_rl.Sample(0, 99, [5] * 9), 1)
 
 
 def test_bad_scheduler_settings_are_refused():

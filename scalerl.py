@@ -1,0 +1,529 @@
+"""scalerl.py: the ScaleRL recipe, top to bottom (config, model, warm start, RL loop, eval, curve fit).
+
+The paper's choices this script makes (section numbers are the paper's; RECIPE.md has the details):
+  1. Loss: CISPO, truncated importance-sampling REINFORCE, eps_max 4 (Sec. 3.2). DAPO, GRPO and GSPO by flag.
+  2. Aggregation: prompt-level average of token losses (Sec. 3.2). Sample and token averages by flag.
+  3. Advantages: group mean subtracted, divided by the batch std (Sec. 3.2). Per-prompt std or none by flag.
+  4. Zero-variance filtering: groups whose completions all got the same reward leave the loss (Sec. 3.2).
+  5. No-Positive-Resampling: prompts with pass rate >= 0.9 are retired from later epochs (Sec. 3.2).
+  6. FP32 LM head on the generator and the trainer (Sec. 3.2, Fig. 5b).
+  7. PipelineRL-k: streaming generation with in-flight weight updates, lag bounded by k (Sec. 3.1).
+  8. Forced length interruption: thinking budget, then "Okay, time is up..." and an answer budget (App. A.10).
+  9. AdamW with linear warm-up then constant LR, gradient clipping, no KL term (App. A.3).
+ 10. Progress is judged by the sigmoid fit of held-out pass rate against device-hours (Sec. 2.1).
+
+Run it:
+  python scalerl.py                          # tiny: built-in task, model built in code, one CPU, minutes
+  python scalerl.py --max_steps=50 --loss=dapo --out_dir=out/dapo
+  python scalerl.py --out_dir=out/tiny --resume
+"""
+from dataclasses import dataclass, fields, asdict
+import difflib
+import hashlib
+import json
+import math
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+import data
+import losses
+import pipeline_rl
+import sigmoid_fit
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Config: one dataclass, presets as override dicts, then --key=value.
+
+
+@dataclass
+class Config:
+    # run
+    out_dir: str = "out/tiny"          # run directory: config.json, metrics.jsonl, ckpt.pt, curve.png
+    seed: int = 0                      # seeds model init, curriculum, sampling
+    max_steps: int = 160               # optimizer steps of RL
+    eval_every: int = 10               # held-out eval every N steps (and at step 0 and the end)
+    eval_prompts: int = 96             # held-out prompts per eval (never trained on)
+    eval_samples: int = 4              # completions per held-out prompt: pass rate is mean@eval_samples
+    ckpt_every: int = 50               # checkpoint every N steps (atomic) and at the end
+    resume: bool = False               # continue the run in out_dir from its checkpoint
+    threads: int = 1                   # torch CPU threads: tiny ops run fastest on one (0: torch default)
+    # model
+    model: str = "tiny"                # "tiny": a small Llama built from a config, character tokenizer; else a hub name/path
+    n_layer: int = 4                   # tiny model depth
+    n_embd: int = 128                  # tiny model width
+    n_head: int = 4                    # tiny model heads (head size n_embd/n_head = 32: vLLM CPU supports it)
+    dtype: str = "float32"             # body precision: float32 | bfloat16 (trainer autocasts; generator holds a copy)
+    fp32_head: bool = True             # LM head in FP32 on generator and trainer (Sec. 3.2); off = head in body dtype
+    # data
+    task: str = "arith"                # prompt source: arith | rg:<task> | polaris | gsm8k | a json/parquet path
+    levels: str = "1,2,3,4,5"          # arith difficulty levels (terms = level + 1)
+    n_train: int = 4000                # training prompts
+    # supervised warm start (tiny): leaves the model partly competent, like the paper's SFT starting point
+    sft_steps: int = 500               # steps on the task's traces (0: RL from scratch); cached under out/warmstart
+    sft_batch: int = 64                # sequences per SFT step
+    sft_lr: float = 3e-3               # SFT learning rate (cosine to 10%)
+    sft_error_rate: float = 0.12       # share of trace steps made wrong on purpose
+    # rollouts
+    batch_prompts: int = 16            # prompts per optimizer step (paper: 48)
+    group_size: int = 8                # completions per prompt (paper: 16)
+    temperature: float = 1.0           # sampling temperature; logprobs are taken after it on both sides
+    think_min: int = 40                # thinking budget drawn per completion in [think_min, think_max] tokens
+    think_max: int = 56                # (paper: 10k..12k of 12,288)
+    answer_budget: int = 8             # tokens allowed after </think> (paper: 2,048)
+    interrupt: bool = True             # force the interruption phrase at the thinking budget (App. A.10)
+    engine: str = "torch"              # generation engine: torch
+    slots: int = 64                    # sequences decoded at once (continuous batching)
+    # off-policy pipeline
+    off_policy: str = "pipeline"       # pipeline (PipelineRL-k) | ppo (PPO-off-policy-k)
+    max_lag: int = 2                   # k: no trained token is more than k policy versions old
+    decode_per_step: int = 12          # decode steps that overlap each optimizer step (generator/trainer speed ratio)
+    # loss
+    loss: str = "cispo"                # cispo | dapo | grpo | gspo
+    eps_max: float = 4.0               # CISPO truncation cap
+    eps_low: float = -1.0              # PPO/GSPO lower clip (-1: the loss's default: 0.2 dapo/grpo, 3e-3 gspo)
+    eps_high: float = -1.0             # PPO/GSPO upper clip (-1: default: 0.28 dapo, 0.2 grpo, 5e-3 gspo)
+    agg: str = "prompt"                # prompt | sample | token aggregation
+    adv_norm: str = "batch"            # batch | prompt | none advantage normalisation
+    zero_var_filter: bool = True       # drop zero-variance groups from the loss
+    npr: bool = True                   # No-Positive-Resampling
+    npr_threshold: float = 0.9         # pass rate at which a prompt is retired
+    # optimizer
+    lr: float = 1e-3                   # AdamW learning rate after warm-up (paper: 5e-7 on 8B)
+    warmup_steps: int = 5              # linear warm-up (paper: 100)
+    weight_decay: float = 0.01         # (paper: 0.01)
+    adam_eps: float = 1e-8             # (paper: 1e-15)
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0             # max gradient norm
+    micro_batch_tokens: int = 8192     # trainer micro-batch size in tokens (gradients accumulate exactly)
+
+
+PRESETS = {
+    "tiny": {},
+    "smoke": dict(max_steps=4, eval_every=2, eval_prompts=8, eval_samples=2, n_train=200, sft_steps=20,
+                  batch_prompts=4, group_size=4, slots=16, ckpt_every=2),
+}
+
+CHOICES = dict(dtype=("float32", "bfloat16"), engine=("torch",), off_policy=("pipeline", "ppo"),
+               loss=tuple(losses.LOSSES), agg=("prompt", "sample", "token"), adv_norm=("batch", "prompt", "none"))
+
+
+def fail(msg):
+    """A one-line error a user can act on, and a non-zero exit."""
+    print(f"error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def parse_args(argv):
+    """--config NAME picks a preset; --key=value (or --key value) overrides fields; bare --flag sets a bool."""
+    kinds = {f.name: f.type for f in fields(Config)}
+    over, preset, i = {}, "tiny", 0
+    while i < len(argv):
+        a = argv[i]
+        if not a.startswith("--"):
+            fail(f"unexpected argument {a!r}; options look like --key=value")
+        key, eq, val = a[2:].partition("=")
+        key = key.replace("-", "_")
+        if not eq and kinds.get(key) is bool and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            eq, val, i = "=", argv[i + 1], i + 1  # --flag false
+        elif not eq and kinds.get(key) is not bool:
+            if i + 1 >= len(argv):
+                fail(f"--{key} needs a value")
+            val, i = argv[i + 1], i + 1
+        i += 1
+        if key == "config":
+            if val not in PRESETS:
+                fail(f"unknown preset {val!r}; choose one of: {', '.join(PRESETS)}")
+            preset = val
+            continue
+        if key not in kinds:
+            near = difflib.get_close_matches(key, kinds, n=1)
+            fail(f"unknown option --{key}" + (f"; did you mean --{near[0]}?" if near else "; see Config in scalerl.py"))
+        over[key] = True if not eq and kinds[key] is bool else cast(key, val, kinds[key])
+    cfg = Config(**{**PRESETS[preset], **over})
+    validate(cfg)
+    return cfg
+
+
+def cast(key, val, kind):
+    try:
+        if kind is bool:
+            if val.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError
+            return val.lower() in ("1", "true", "yes")
+        return kind(val)
+    except ValueError:
+        fail(f"--{key}={val!r} is not a valid {kind.__name__}")
+
+
+def validate(cfg):
+    for k, ok in CHOICES.items():
+        if getattr(cfg, k) not in ok:
+            fail(f"--{k}={getattr(cfg, k)!r} is not one of: {', '.join(ok)}")
+    for k in ("max_steps", "eval_every", "eval_prompts", "eval_samples", "ckpt_every", "n_layer", "n_embd", "n_head",
+              "n_train", "sft_batch", "batch_prompts", "group_size", "think_min", "answer_budget", "slots",
+              "micro_batch_tokens"):
+        if getattr(cfg, k) <= 0:
+            fail(f"--{k} must be positive, got {getattr(cfg, k)}")
+    for k in ("sft_steps", "warmup_steps", "decode_per_step", "threads"):
+        if getattr(cfg, k) < 0:
+            fail(f"--{k} must be >= 0, got {getattr(cfg, k)}")
+    for k in ("lr", "temperature", "eps_max", "grad_clip"):
+        if not getattr(cfg, k) > 0:
+            fail(f"--{k} must be > 0, got {getattr(cfg, k)}")
+    if cfg.max_lag < (1 if cfg.off_policy == "ppo" else 0):
+        fail(f"--max_lag={cfg.max_lag} is invalid for --off_policy={cfg.off_policy}: need k >= "
+             f"{1 if cfg.off_policy == 'ppo' else 0} (PPO-off-policy-1 is the synchronous case)")
+    if cfg.think_max < cfg.think_min:
+        fail(f"--think_max={cfg.think_max} is below --think_min={cfg.think_min}")
+    if cfg.n_embd % cfg.n_head:
+        fail(f"--n_embd={cfg.n_embd} must be divisible by --n_head={cfg.n_head}")
+    if cfg.group_size < 2 and cfg.adv_norm != "none":
+        fail("--group_size must be >= 2: group-relative advantages need two completions per prompt")
+    if not all(x.strip().isdigit() and int(x) >= 1 for x in cfg.levels.split(",")):
+        fail(f"--levels={cfg.levels!r} must be comma-separated integers >= 1, e.g. 1,2,3,4,5")
+    if not 0 < cfg.npr_threshold <= 1 or not 0 <= cfg.sft_error_rate < 1:
+        fail("--npr_threshold must be in (0, 1] and --sft_error_rate in [0, 1)")
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Model and tokenizer
+
+
+def char_tokenizer(chars):
+    """A character-level `transformers` fast tokenizer with <think>/</think> as single tokens and a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, Regex
+    from transformers import PreTrainedTokenizerFast
+    specials = ["<pad>", "<eos>", "<unk>", data.THINK_OPEN, data.THINK_CLOSE]
+    vocab = {t: i for i, t in enumerate(specials + sorted(set(chars) - set(specials)))}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    tok.add_tokens([data.THINK_OPEN, data.THINK_CLOSE])
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}={% endif %}")
+    return tok
+
+
+def build_model(cfg, vocab_size):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    mc = LlamaConfig(vocab_size=vocab_size, hidden_size=cfg.n_embd, intermediate_size=3 * cfg.n_embd,
+                     num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head,
+                     max_position_embeddings=512, tie_word_embeddings=False, attn_implementation="sdpa")
+    torch.manual_seed(cfg.seed)
+    return LlamaForCausalLM(mc)
+
+
+def encode(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def sequence_batch(seqs, starts, pad_id):
+    """Right-padded (N, L) ids, (N, L) attention mask, and the (N, L-1) mask of trainable target positions."""
+    L = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    att = torch.zeros(len(seqs), L, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)], att[i, :len(s)] = torch.tensor(s), 1
+    pos = torch.arange(1, L)[None]
+    tmask = (pos >= torch.tensor(starts)[:, None]) & att[:, 1:].bool()
+    return ids, att, tmask.float()
+
+
+def warm_start(cfg, model, tok, train, out_root):
+    """Supervised warm start on the task's traces (some wrong on purpose), cached so later runs reuse it."""
+    if cfg.sft_steps == 0 or cfg.model != "tiny":
+        return
+    key = {k: getattr(cfg, k) for k in ("seed", "n_layer", "n_embd", "n_head", "task", "levels", "n_train",
+                                         "sft_steps", "sft_batch", "sft_lr", "sft_error_rate")}
+    key["vocab"] = tok.get_vocab()
+    path = os.path.join(out_root, "warmstart", hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+                        + ".pt")
+    if os.path.exists(path):
+        model.load_state_dict(torch.load(path, weights_only=True))
+        print(f"warm start: loaded {path}")
+        return
+    levels = tuple(int(x) for x in cfg.levels.split(","))
+    traces = data.arith_problems(len(train), seed=cfg.seed + 1, levels=levels, error_rate=cfg.sft_error_rate)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
+    rng = random.Random(cfg.seed)
+    t0 = time.time()
+    model.train()
+    for it in range(cfg.sft_steps):
+        lr = cfg.sft_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * it / cfg.sft_steps)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        ps = rng.sample(traces, cfg.sft_batch)
+        prompts = [encode(tok, data.format_prompt(p.question, tok)) for p in ps]
+        seqs = [pr + encode(tok, data.format_target(p)) + [tok.eos_token_id] for pr, p in zip(prompts, ps)]
+        ids, att, tmask = sequence_batch(seqs, [len(p) for p in prompts], tok.pad_token_id)
+        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        loss = (nll * tmask).sum() / tmask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if it % 100 == 0 or it == cfg.sft_steps - 1:
+            print(f"warm start {it:4d}/{cfg.sft_steps} | loss {loss.item():.3f} | {time.time() - t0:.0f}s")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save(model.state_dict(), path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Run directory: config.json, metrics.jsonl (append-only, flushed per line), ckpt.pt (atomic)
+
+
+def git_hash():
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__)), timeout=5).stdout.strip() or None
+    except Exception:  # noqa: BLE001 -- no git is fine: the hash is informational
+        return None
+
+
+def atomic_save(obj, path):
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)  # the previous checkpoint stays valid until the new one is complete
+
+
+def read_metrics(path, upto_step):
+    """Rows of an existing log up to `upto_step` (a torn last line from a kill mid-write is dropped)."""
+    rows = []
+    if os.path.exists(path):
+        for line in open(path):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            if row["step"] <= upto_step:
+                rows.append(row)
+    return rows
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The recipe
+
+
+def main(cfg):
+    t_start = time.time()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out_root = os.path.dirname(os.path.normpath(cfg.out_dir)) or "."
+    metrics_path, ckpt_path = os.path.join(cfg.out_dir, "metrics.jsonl"), os.path.join(cfg.out_dir, "ckpt.pt")
+    if os.path.exists(metrics_path) and not cfg.resume:
+        fail(f"run directory {cfg.out_dir} already holds a run; pass --resume to continue it or pick another --out_dir")
+    if cfg.resume and not os.path.exists(ckpt_path):
+        fail(f"--resume: no checkpoint at {ckpt_path}; start a fresh run without --resume")
+    random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
+
+    # -- data ---------------------------------------------------------------------------------------------------------
+    levels = tuple(int(x) for x in cfg.levels.split(","))
+    try:
+        train, val = data.load_problems(cfg.task, n_val=cfg.eval_prompts, seed=cfg.seed, n_train=cfg.n_train,
+                                        **(dict(levels=levels) if cfg.task == "arith" else {}))
+    except ValueError as e:
+        fail(str(e))
+    if cfg.model == "tiny" and cfg.task != "arith":
+        fail(f"the tiny character-level model only covers --task=arith; pass --model=<hub name or path> for {cfg.task}")
+    pool = data.PromptPool(train, seed=cfg.seed, npr=cfg.npr, npr_threshold=cfg.npr_threshold,
+                           zero_var=cfg.zero_var_filter)
+
+    # -- model, tokenizer, warm start ---------------------------------------------------------------------------------
+    if cfg.model == "tiny":
+        tok = char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=")
+        model = build_model(cfg, len(tok))
+        warm_start(cfg, model, tok, train, out_root)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        tok, model = AutoTokenizer.from_pretrained(cfg.model), AutoModelForCausalLM.from_pretrained(cfg.model)
+    body_dtype = getattr(torch, cfg.dtype)
+    head_dtype = torch.float32 if cfg.fp32_head else body_dtype
+    n_params = sum(p.numel() for p in model.parameters())
+
+    def make_engine(seed, slots):
+        gen_model = build_model(cfg, len(tok)) if cfg.model == "tiny" else type(model)(model.config)
+        gen_model.load_state_dict(model.state_dict())
+        return pipeline_rl.TorchEngine(
+            gen_model.to(body_dtype), slots=slots, max_prompt=64, think_budget=(cfg.think_min, cfg.think_max),
+            answer_budget=cfg.answer_budget, eos_id=tok.eos_token_id, think_close_ids=encode(tok, data.THINK_CLOSE),
+            interrupt_ids=encode(tok, data.INTERRUPT_PHRASE) if cfg.interrupt else None,
+            temperature=cfg.temperature, head_dtype=head_dtype, seed=seed)
+
+    engine = make_engine(cfg.seed, cfg.slots)
+    eval_engine = make_engine(cfg.seed + 1, cfg.slots)
+
+    def new_prompt(gid):
+        p = pool.next()
+        return pipeline_rl.Sample(p.id, gid, encode(tok, data.format_prompt(p.question, tok)), meta=p)
+
+    sched = pipeline_rl.Scheduler(engine, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
+                                  group_size=cfg.group_size, new_prompt=new_prompt,
+                                  decode_per_step=cfg.decode_per_step)
+    loss_kw = {"eps_max": cfg.eps_max} if cfg.loss == "cispo" else {
+        k: v for k, v in (("eps_low", cfg.eps_low), ("eps_high", cfg.eps_high)) if v >= 0}
+
+    # -- optimizer (fp32 master weights; the body autocasts when dtype is lower) ------------------------------------
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
+                            weight_decay=cfg.weight_decay)
+    step, device_hours = 0, 0.0
+    B, G = cfg.batch_prompts, cfg.group_size
+    if cfg.resume:
+        ck = torch.load(ckpt_path, weights_only=True)
+        model.load_state_dict(ck["model"]), opt.load_state_dict(ck["opt"]), pool.load_state_dict(ck["pool"])
+        step, device_hours, sched.version, sched.dropped_stale = ck["step"], ck["device_hours"], ck["version"], ck["stale"]
+        sched.admitted = sched.version * B + sched.dropped_stale  # in-flight groups at the crash are regenerated
+        engine.rng.set_state(ck["rng"]), torch.set_rng_state(ck["torch_rng"])
+        engine.load_weights(model, sched.version)
+        print(f"resumed {cfg.out_dir} at step {step} (in-flight completions are regenerated)")
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    rows = read_metrics(metrics_path, step)  # drop rows logged after the checkpoint: the log continues seamlessly
+    with open(metrics_path + ".tmp", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    os.replace(metrics_path + ".tmp", metrics_path)
+    log = open(metrics_path, "a", buffering=1)
+    meta = dict(config=asdict(cfg), versions=dict(python=platform.python_version(), torch=torch.__version__,
+                                                   transformers=__import__("transformers").__version__),
+                git=git_hash(), n_params=n_params)
+    json.dump(meta, open(os.path.join(cfg.out_dir, "config.json"), "w"), indent=1)
+
+    print(f"scalerl | {cfg.model} {n_params / 1e6:.2f}M params, body {cfg.dtype}, head "
+          f"{'fp32' if cfg.fp32_head else cfg.dtype} | {cfg.task}: {len(train)} train / {len(val)} held-out prompts")
+    print(f"  {B} prompts x {G} completions = {B * G} per step | {cfg.max_steps} steps | think "
+          f"{cfg.think_min}-{cfg.think_max} + answer {cfg.answer_budget} tokens | interruption {'on' if cfg.interrupt else 'off'}")
+    print(f"  {cfg.loss} loss, {cfg.agg} aggregation, {cfg.adv_norm} adv norm, zero-var filter {cfg.zero_var_filter}, "
+          f"NPR {cfg.npr} | {'PipelineRL' if cfg.off_policy == 'pipeline' else 'PPO-off-policy'}-{cfg.max_lag}, "
+          f"{cfg.decode_per_step} decode steps per train step | engine {cfg.engine}, {cfg.slots} slots")
+
+    def write(row):
+        log.write(json.dumps(row) + "\n")
+
+    def evaluate():
+        """mean@k pass rate on the held-out prompts, with the trainer's current weights (not on the compute axis)."""
+        eval_engine.load_weights(model, sched.version)
+        eval_engine.rng.manual_seed(cfg.seed + 7919 * step)
+        templates = [pipeline_rl.Sample(p.id, -1 - i, encode(tok, data.format_prompt(p.question, tok)), meta=p)
+                     for i, p in enumerate(val)]
+        groups = eval_engine.generate(templates, cfg.eval_samples)
+        return float(np.mean([data.reward(s.meta, tok.decode(s.tokens, skip_special_tokens=True)) > 0
+                              for g in groups for s in g]))
+
+    def train_step(groups):
+        """One optimizer step on the kept groups; gradients accumulate over token-budget micro-batches exactly."""
+        lr = cfg.lr * min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        samples = [s for g in groups for s in g]
+        if not samples:  # every group was zero-variance: no signal, no update
+            return 0.0, dict(clip_frac=0.0, ratio_mean=1.0, ratio_max=1.0, mismatch_kl=0.0), 0
+        rewards = torch.tensor([s.reward for s in samples])
+        gid = torch.tensor([s.group for s in samples])
+        adv = losses.group_advantages(rewards, gid, norm=cfg.adv_norm)  # (N,)
+        seqs = [s.prompt_tokens + s.tokens for s in samples]
+        ids, att, tmask = sequence_batch(seqs, [len(s.prompt_tokens) for s in samples], tok.pad_token_id)
+        gen_logp = torch.zeros(tmask.shape)  # (N, L-1), aligned with the target positions
+        for i, s in enumerate(samples):
+            P = len(s.prompt_tokens)
+            gen_logp[i, P - 1:P - 1 + len(s.tokens)] = torch.tensor(s.logprobs)
+            tmask[i, P - 1:P - 1 + len(s.tokens)] *= 1 - torch.tensor(s.forced, dtype=torch.float)  # forced: no loss
+        weights = losses.aggregation_weights(tmask, gid, how=cfg.agg)  # on the whole batch, sliced per micro-batch
+        model.train()
+        total, diags, mb = 0.0, [], []
+        order = list(range(len(samples)))
+        while order:
+            mb, budget = [], cfg.micro_batch_tokens
+            while order and (not mb or len(seqs[order[0]]) <= budget):
+                budget -= len(seqs[order[0]])
+                mb.append(order.pop(0))
+            L = int(att[mb].sum(1).max())
+            with torch.autocast("cpu", dtype=body_dtype, enabled=body_dtype != torch.float32):
+                hidden = model.model(input_ids=ids[mb, :L], attention_mask=att[mb, :L]).last_hidden_state
+            logp = pipeline_rl.head_logprobs(hidden[:, :-1], model.lm_head.weight, ids[mb, 1:L], cfg.temperature,
+                                             head_dtype)
+            loss, diag = losses.policy_loss(logp, gen_logp[mb, :L - 1], adv[mb], tmask[mb, :L - 1],
+                                            weights[mb, :L - 1], loss=cfg.loss, **loss_kw)
+            loss.backward()
+            total += loss.item()
+            diags.append(diag)
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        if math.isfinite(gnorm):
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        n = sum(d["n_tokens"] for d in diags) or 1
+        avg = {k: sum(d[k] * d["n_tokens"] for d in diags) / n for k in ("clip_frac", "ratio_mean", "mismatch_kl")}
+        avg["ratio_max"] = max(d["ratio_max"] for d in diags)
+        return total, avg, int(tmask.sum())
+
+    def checkpoint():
+        atomic_save(dict(model=model.state_dict(), opt=opt.state_dict(), pool=pool.state_dict(), step=step,
+                         device_hours=device_hours, version=sched.version, stale=sched.dropped_stale,
+                         rng=engine.rng.get_state(), torch_rng=torch.get_rng_state()), ckpt_path)
+
+    # -- the loop -------------------------------------------------------------------------------------------------
+    if step == 0:
+        pr = evaluate()
+        write(dict(step=0, device_hours=0.0, pass_rate=pr, eval=True))
+        print(f"step    0 | held-out pass rate {pr:.3f} (before RL: R0)")
+        checkpoint()  # a run killed before its first periodic checkpoint can still --resume
+    t_loop, steps_done = time.time(), 0
+    eval_time = 0.0
+    while step < cfg.max_steps:
+        t0 = time.time()
+        tok0 = engine.stats["tokens"]
+        batch = sched.next_batch()
+        t_gen = time.time() - t0
+        gen_tokens = engine.stats["tokens"] - tok0
+        kept, rewards, trunc = [], [], []
+        for g in batch:
+            for s in g:
+                s.reward = data.reward(s.meta, tok.decode(s.tokens, skip_special_tokens=True))
+                trunc.append(s.interrupted or s.truncated)
+            rewards += [s.reward for s in g]
+            if pool.record(g[0].prompt_id, [s.reward for s in g]):
+                kept.append(g)
+        lag_mean, lag_max = sched.lag(batch)
+        t1 = time.time()
+        loss, diag, n_tok = train_step(kept)
+        t_train = time.time() - t1
+        sched.push_weights(model)
+        step += 1
+        dt = time.time() - t0
+        device_hours += dt / 3600  # x world size (1 here): the compute axis counts every device
+        row = dict(step=step, device_hours=device_hours, policy_version=sched.version, reward=float(np.mean(rewards)),
+                   loss=loss, clip_frac=diag["clip_frac"], ratio_mean=diag["ratio_mean"], ratio_max=diag["ratio_max"],
+                   mismatch_kl=diag["mismatch_kl"], lag_mean=lag_mean, lag_max=lag_max,
+                   dropped_stale=sched.dropped_stale, trunc_rate=float(np.mean(trunc)),
+                   zero_var_frac=1 - len(kept) / len(batch), npr_removed=pool.npr_removed, epoch=pool.epoch,
+                   gen_tok_s=gen_tokens / max(t_gen, 1e-9), train_tok_s=n_tok / max(t_train, 1e-9), lr=opt.param_groups[0]["lr"], dt=dt)
+        write(row)
+        steps_done += 1
+        eta = (time.time() - t_loop - eval_time) / steps_done * (cfg.max_steps - step)
+        line = (f"step {step:4d}/{cfg.max_steps} | reward {row['reward']:+.3f} | loss {loss:+.4f} | clip "
+                f"{row['clip_frac']:.3f} | kl {row['mismatch_kl']:+.1e} | lag {lag_mean:.1f}/{lag_max} | trunc "
+                f"{row['trunc_rate']:.2f} | zv {row['zero_var_frac']:.2f} | gen {row['gen_tok_s']:.0f} tok/s | train "
+                f"{row['train_tok_s']:.0f} tok/s | {dt:.2f}s | eta {eta / 60:.1f}m")
+        if step % cfg.eval_every == 0 or step == cfg.max_steps:
+            te = time.time()
+            pr = evaluate()
+            eval_time += time.time() - te
+            write(dict(step=step, device_hours=device_hours, pass_rate=pr, eval=True))
+            line += f" | held-out pass rate {pr:.3f}"
+        print(line, flush=True)
+        if step % cfg.ckpt_every == 0 or step == cfg.max_steps:
+            checkpoint()
+    log.close()
+
+    # -- the curve ----------------------------------------------------------------------------------------------------
+    print(f"done in {(time.time() - t_start) / 60:.1f} min; run directory {cfg.out_dir}")
+    try:
+        print(sigmoid_fit.analyze([metrics_path], plot=os.path.join(cfg.out_dir, "curve.png")))
+    except ValueError as e:
+        print(f"sigmoid fit skipped: {e}")
+
+
+if __name__ == "__main__":
+    main(parse_args(sys.argv[1:]))

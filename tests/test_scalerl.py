@@ -1,0 +1,289 @@
+"""The main job, in layers: config parsing in-process, then real `python scalerl.py` runs with the `smoke` preset.
+
+1. parse_args: every bad input exits with code 2 and one line naming the option; good inputs in both forms.
+2. A fresh smoke run: the metrics log, the config record and the checkpoint have the promised shape.
+3. An existing run directory without --resume is refused and left byte-for-byte unchanged.
+4. Resume: 2 steps, then --resume to 4 steps gives one seamless log; --resume without a checkpoint is refused.
+5. A bad task source is a one-line error, not a traceback.
+
+All runs share one temporary base directory, so the supervised warm start is computed once and then read from
+its cache (`<base>/warmstart/`). Run: python -m pytest tests/test_scalerl.py (add `-m "not slow"` to skip the runs).
+"""
+from dataclasses import asdict
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import scalerl
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+METRIC_NAMES = {"step", "device_hours", "policy_version", "reward", "loss", "clip_frac", "mismatch_kl", "lag_mean",
+                "lag_max", "dropped_stale", "trunc_rate", "zero_var_frac", "npr_removed", "gen_tok_s", "train_tok_s",
+                "dt"}
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 1. Config parsing (in-process)
+
+BAD = [  # (argv, text the single error line must contain)
+    (["--max_step=5"], "did you mean --max_steps"),
+    (["--max_step", "5"], "did you mean --max_steps"),
+    (["--max_steps=abc"], "--max_steps"),
+    (["--max_steps=1.5"], "--max_steps"),
+    (["--lr=fast"], "--lr"),
+    (["--npr=maybe"], "--npr"),
+    (["--config", "nope"], "nope"),
+    (["--config=nope"], "smoke"),  # the message lists the presets there are
+    (["--loss=ppo"], "--loss"),
+    (["--agg=mean"], "--agg"),
+    (["--adv_norm=std"], "--adv_norm"),
+    (["--off_policy=async"], "--off_policy"),
+    (["--engine=sglang"], "--engine"),
+    (["--dtype=float16"], "--dtype"),
+    (["--max_steps=0"], "--max_steps"),
+    (["--batch_prompts=-4"], "--batch_prompts"),
+    (["--group_size=0"], "--group_size"),
+    (["--group_size=1"], "--group_size"),
+    (["--n_layer=0"], "--n_layer"),
+    (["--slots=0"], "--slots"),
+    (["--eval_every=0"], "--eval_every"),
+    (["--micro_batch_tokens=-1"], "--micro_batch_tokens"),
+    (["--sft_steps=-1"], "--sft_steps"),
+    (["--threads=-1"], "--threads"),
+    (["--lr=0"], "--lr"),
+    (["--lr=-1e-3"], "--lr"),
+    (["--lr=nan"], "--lr"),
+    (["--temperature=0"], "--temperature"),
+    (["--max_lag=-1"], "--max_lag"),
+    (["--off_policy=ppo", "--max_lag=0"], "--max_lag"),
+    (["--think_min=50", "--think_max=40"], "--think_max"),
+    (["--n_embd=130", "--n_head=4"], "--n_embd"),
+    (["--npr_threshold=1.5"], "--npr_threshold"),
+    (["--sft_error_rate=1"], "--sft_error_rate"),
+    (["--levels=abc"], "--levels"),  # else main() dies in int() with a traceback
+    (["--max_steps"], "--max_steps"),  # value missing at the end
+    (["--config"], "--config"),
+    (["max_steps=5"], "max_steps=5"),  # a stray word, not an option
+]
+
+
+@pytest.mark.parametrize("argv,needle", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_option_exits_2_with_one_line(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        scalerl.parse_args(argv)
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert needle in lines[0], lines[0]
+
+
+def test_good_options_both_forms():
+    assert scalerl.parse_args([]) == scalerl.Config()  # the default preset changes nothing
+    for argv in (["--max_steps=7"], ["--max_steps", "7"], ["--max-steps=7"]):
+        assert scalerl.parse_args(argv).max_steps == 7, argv
+    cfg = scalerl.parse_args(["--lr", "0.25", "--loss=dapo", "--out_dir", "x/y", "--npr=false", "--interrupt=0"])
+    assert (cfg.lr, cfg.loss, cfg.out_dir, cfg.npr, cfg.interrupt) == (0.25, "dapo", "x/y", False, False)
+    assert type(cfg.lr) is float and type(scalerl.parse_args(["--seed=3"]).seed) is int
+    for text, want in (("true", True), ("1", True), ("yes", True), ("False", False), ("no", False)):
+        assert scalerl.parse_args([f"--resume={text}"]).resume is want
+    assert scalerl.parse_args(["--resume"]).resume is True  # a bare flag sets a bool
+    assert scalerl.parse_args(["--npr=false", "--npr"]).npr is True  # the last word wins
+    cfg = scalerl.parse_args(["--zero_var_filter", "--max_steps=3"])  # a bare bool does not eat the next option
+    assert cfg.zero_var_filter is True and cfg.max_steps == 3
+
+
+def test_preset_then_overrides():
+    smoke = scalerl.PRESETS["smoke"]
+    base = asdict(scalerl.Config())
+    cfg = asdict(scalerl.parse_args(["--config", "smoke"]))
+    assert cfg == {**base, **smoke}  # exactly the preset's fields change
+    assert any(base[k] != v for k, v in smoke.items())  # and the preset does change something
+    key = "max_steps"
+    assert key in smoke
+    for argv in (["--config", "smoke", f"--{key}=3"], [f"--{key}=3", "--config=smoke"]):  # overrides win, any order
+        cfg = scalerl.parse_args(argv)
+        assert cfg.max_steps == 3
+        assert all(getattr(cfg, k) == v for k, v in smoke.items() if k != key)
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Subprocess runs of the real command
+
+
+def run(*args, timeout=600):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return subprocess.run([sys.executable, os.path.join(ROOT, "scalerl.py"), "--config", "smoke", "--threads=1",
+                           *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def one_line_error(p):
+    """The failed run's stderr is exactly one `error: ...` line (no traceback)."""
+    assert p.returncode != 0, p.stdout[-2000:]
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr[-3000:]
+    return lines[0]
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def tree_hashes(d):
+    out = {}
+    for root, _, files in os.walk(d):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, d)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory):
+    """One base directory for every run: the warm start is cached in <base>/warmstart/ and shared."""
+    return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture(scope="session")
+def smoke_run(runs):
+    out = runs / "smoke"
+    p = run(f"--out_dir={out}")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return out, p
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 2. A fresh smoke run
+
+
+@pytest.mark.slow
+def test_smoke_run_metrics(smoke_run):
+    out, p = smoke_run
+    assert "Traceback" not in p.stderr
+    meta = json.load(open(out / "config.json"))
+    cfg = scalerl.Config(**meta["config"])
+    assert meta["config"] == asdict(scalerl.parse_args(["--config", "smoke", "--threads=1", f"--out_dir={out}"]))
+    assert set(meta["versions"]) >= {"python", "torch", "transformers"} and meta["versions"]["torch"] == torch.__version__
+    assert "git" in meta
+
+    rows = read_jsonl(out / "metrics.jsonl")
+    train = [r for r in rows if "pass_rate" not in r]
+    evals = [r for r in rows if "pass_rate" in r]
+    assert [r["step"] for r in train] == list(range(1, cfg.max_steps + 1))
+    for r in train:
+        assert METRIC_NAMES <= set(r), METRIC_NAMES - set(r)
+        assert all(isinstance(r[k], (int, float)) and math.isfinite(r[k]) for k in METRIC_NAMES), r
+        assert 0 <= r["lag_mean"] <= r["lag_max"] <= cfg.max_lag
+        assert r["policy_version"] == r["step"]  # one published version per optimizer step
+        assert -1 <= r["reward"] <= 1 and 0 <= r["trunc_rate"] <= 1 and 0 <= r["zero_var_frac"] <= 1
+        assert r["dt"] > 0 and r["gen_tok_s"] > 0 and r["train_tok_s"] >= 0
+    want_evals = sorted({0, cfg.max_steps} | set(range(cfg.eval_every, cfg.max_steps + 1, cfg.eval_every)))
+    assert [r["step"] for r in evals] == want_evals
+    assert all(0 <= r["pass_rate"] <= 1 for r in evals)
+
+    # the compute axis: 0 before RL, then the sum of the step times (one device), never decreasing
+    assert rows[0]["step"] == 0 and "pass_rate" in rows[0] and rows[0]["device_hours"] == 0.0
+    hours = [r["device_hours"] for r in rows]
+    assert hours == sorted(hours)
+    total = 0.0
+    for r in train:
+        total += r["dt"] / 3600
+        assert r["device_hours"] == pytest.approx(total, rel=1e-9)
+    for a, b in zip([0] + [r["dropped_stale"] for r in train], [r["dropped_stale"] for r in train]):
+        assert b >= a  # a cumulative counter
+
+    # the checkpoint: plain tensors and containers, and it restores the model and optimizer it came from
+    ck = torch.load(out / "ckpt.pt", weights_only=True)
+    assert {"model", "opt", "pool", "step"} <= set(ck) and ck["step"] == cfg.max_steps
+    vocab = ck["model"]["model.embed_tokens.weight"].shape[0]
+    model = scalerl.build_model(cfg, vocab)
+    model.load_state_dict(ck["model"])  # strict: the same architecture as the config says
+    torch.optim.AdamW(model.parameters()).load_state_dict(ck["opt"])
+    assert isinstance(ck["pool"], dict) and ck["pool"]["groups_seen"] == cfg.max_steps * cfg.batch_prompts
+    assert not os.path.exists(str(out / "ckpt.pt") + ".tmp")
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 3. An existing run directory is never overwritten
+
+
+@pytest.mark.slow
+def test_existing_run_dir_refused_and_untouched(smoke_run):
+    out, _ = smoke_run
+    before = tree_hashes(out)
+    assert {"metrics.jsonl", "config.json", "ckpt.pt"} <= set(before)
+    p = run(f"--out_dir={out}", "--max_steps=1")
+    assert "--resume" in one_line_error(p)
+    assert tree_hashes(out) == before
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 4. Resume
+
+
+@pytest.mark.slow
+def test_resume_continues_the_log(runs, smoke_run):
+    out = runs / "resume"
+    # zero_var_filter off: every step takes an optimizer step whatever the rewards, so the optimizer state matters
+    p = run(f"--out_dir={out}", "--max_steps=2", "--zero_var_filter=false")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    if scalerl.PRESETS["smoke"].get("sft_steps", scalerl.Config().sft_steps) > 0:
+        assert "warm start: loaded" in p.stdout  # the smoke run's cached warm start was reused
+    first = read_jsonl(out / "metrics.jsonl")
+    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 2
+
+    p = run(f"--out_dir={out}", "--resume", "--max_steps=4", "--zero_var_filter=false")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "resumed" in p.stdout
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert rows[:len(first)] == first  # the old rows are kept as they were
+    train = [r for r in rows if "pass_rate" not in r]
+    evals = [r["step"] for r in rows if "pass_rate" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert evals.count(0) == 1 and evals.count(4) == 1 and len(evals) == len(set(evals))
+    assert [r["policy_version"] for r in train] == [1, 2, 3, 4]
+    hours = [r["device_hours"] for r in rows]
+    assert hours == sorted(hours) and train[2]["device_hours"] > train[1]["device_hours"]
+    cfg = scalerl.Config(**json.load(open(out / "config.json"))["config"])
+    assert cfg.resume and cfg.max_steps == 4
+    for r in train:  # every step trained, with the warm-up schedule counted from the first step across the resume
+        assert r["zero_var_frac"] == 0 and r["train_tok_s"] > 0
+        assert r["lr"] == pytest.approx(cfg.lr * min(1.0, r["step"] / max(cfg.warmup_steps, 1)))
+    ck = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ck["step"] == 4 and ck["version"] == 4
+
+
+@pytest.mark.slow
+def test_resume_without_checkpoint_refused(runs):
+    out = runs / "empty"
+    out.mkdir()
+    line = one_line_error(run(f"--out_dir={out}", "--resume"))
+    assert "checkpoint" in line and str(out) in line
+    assert os.listdir(out) == []
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 5. Bad task sources
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["missing", "too_few", "no_answer_column"])
+def test_bad_task_source(runs, case):
+    d = runs / f"task_{case}"
+    d.mkdir()
+    path, needle = {"missing": ("/nonexistent/file.jsonl", "does not exist"),
+                    "too_few": (d / "few.jsonl", "usable prompts"),
+                    "no_answer_column": (d / "noans.jsonl", "no column 'answer'")}[case]
+    if case != "missing":
+        rows = [{"problem": f"{i} + 1 = ?", "answer": str(i + 1)} for i in range(3)]
+        if case == "no_answer_column":
+            rows = [{"problem": r["problem"], "solution": r["answer"]} for r in rows]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    p = run(f"--out_dir={d / 'run'}", f"--task={path}", "--eval_prompts=8")
+    assert p.returncode == 2
+    line = one_line_error(p)
+    assert str(path) in line and needle in line, line
+    assert not os.path.exists(d / "run" / "metrics.jsonl")
