@@ -65,9 +65,9 @@ class Config:
     levels: str = "1,2,3,4,5"          # arith difficulty levels (terms = level + 1)
     n_train: int = 4000                # training prompts
     # supervised warm start (tiny): leaves the model partly competent, like the paper's SFT starting point
-    sft_steps: int = 500               # steps on the task's traces (0: RL from scratch); cached under out/warmstart
+    sft_steps: int = 800               # steps on the task's traces (0: RL from scratch); cached under out/warmstart
     sft_batch: int = 64                # sequences per SFT step
-    sft_lr: float = 3e-3               # SFT learning rate (cosine to 10%)
+    sft_lr: float = 3e-3               # SFT learning rate (50 warm-up steps, cosine to 10%)
     sft_error_rate: float = 0.12       # share of trace steps made wrong on purpose
     # rollouts
     batch_prompts: int = 16            # prompts per optimizer step (paper: 48)
@@ -94,8 +94,8 @@ class Config:
     npr: bool = True                   # No-Positive-Resampling
     npr_threshold: float = 0.9         # pass rate at which a prompt is retired
     # optimizer
-    lr: float = 1e-3                   # AdamW learning rate after warm-up (paper: 5e-7 on 8B)
-    warmup_steps: int = 5              # linear warm-up (paper: 100)
+    lr: float = 7e-5                   # AdamW learning rate after warm-up (paper: 5e-7 on 8B)
+    warmup_steps: int = 10             # linear warm-up (paper: 100)
     weight_decay: float = 0.01         # (paper: 0.01)
     adam_eps: float = 1e-8             # (paper: 1e-15)
     beta1: float = 0.9
@@ -236,12 +236,12 @@ def sequence_batch(seqs, starts, pad_id):
     return ids, att, tmask.float()
 
 
-def warm_start(cfg, model, tok, train, out_root):
+def warm_start(cfg, model, tok, out_root):
     """Supervised warm start on the task's traces (some wrong on purpose), cached so later runs reuse it."""
     if cfg.sft_steps == 0 or cfg.model != "tiny":
         return
-    key = {k: getattr(cfg, k) for k in ("seed", "n_layer", "n_embd", "n_head", "task", "levels", "n_train",
-                                         "sft_steps", "sft_batch", "sft_lr", "sft_error_rate")}
+    key = {k: getattr(cfg, k) for k in ("seed", "n_layer", "n_embd", "n_head", "task", "levels", "sft_steps",
+                                         "sft_batch", "sft_lr", "sft_error_rate")}
     key["vocab"] = tok.get_vocab()
     path = os.path.join(out_root, "warmstart", hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
                         + ".pt")
@@ -250,13 +250,15 @@ def warm_start(cfg, model, tok, train, out_root):
         print(f"warm start: loaded {path}")
         return
     levels = tuple(int(x) for x in cfg.levels.split(","))
-    traces = data.arith_problems(len(train), seed=cfg.seed + 1, levels=levels, error_rate=cfg.sft_error_rate)
+    # 4,000 traces from the training side of the split (held-out questions never appear), ids apart from RL prompts
+    traces = data.arith_problems(4000, seed=cfg.seed, levels=levels, error_rate=cfg.sft_error_rate, split="train",
+                                 start_id=10 ** 6)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
     rng = random.Random(cfg.seed)
     t0 = time.time()
     model.train()
     for it in range(cfg.sft_steps):
-        lr = cfg.sft_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * it / cfg.sft_steps)))
+        lr = cfg.sft_lr * min(1.0, (it + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * it / cfg.sft_steps)))
         for g in opt.param_groups:
             g["lr"] = lr
         ps = rng.sample(traces, cfg.sft_batch)
@@ -337,7 +339,7 @@ def main(cfg):
     if cfg.model == "tiny":
         tok = char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=")
         model = build_model(cfg, len(tok))
-        warm_start(cfg, model, tok, train, out_root)
+        warm_start(cfg, model, tok, out_root)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         tok, model = AutoTokenizer.from_pretrained(cfg.model), AutoModelForCausalLM.from_pretrained(cfg.model)
