@@ -237,6 +237,19 @@ def sequence_batch(seqs, starts, pad_id):
     return ids, att, tmask.float()
 
 
+def rollout_tensors(samples, pad_id):
+    """Trainer tensors for completions: ids/att (N, L); the loss mask and behaviour logprobs (N, L-1), aligned with
+    the target positions. Forced interruption tokens stay in the context but are masked out of the loss (App. A.10)."""
+    ids, att, tmask = sequence_batch([s.prompt_tokens + s.tokens for s in samples],
+                                     [len(s.prompt_tokens) for s in samples], pad_id)
+    gen_logp = torch.zeros(tmask.shape)
+    for i, s in enumerate(samples):
+        P, n = len(s.prompt_tokens), len(s.tokens)
+        gen_logp[i, P - 1:P - 1 + n] = torch.tensor(s.logprobs)
+        tmask[i, P - 1:P - 1 + n] *= 1 - torch.tensor(s.forced, dtype=torch.float)
+    return ids, att, tmask, gen_logp
+
+
 def warm_start(cfg, model, tok, out_root):
     """Supervised warm start on the task's traces (some wrong on purpose), cached so later runs reuse it."""
     if cfg.sft_steps == 0 or cfg.model != "tiny":
@@ -426,21 +439,16 @@ def main(cfg):
         rewards = torch.tensor([s.reward for s in samples])
         gid = torch.tensor([s.group for s in samples])
         adv = losses.group_advantages(rewards, gid, norm=cfg.adv_norm)  # (N,)
-        seqs = [s.prompt_tokens + s.tokens for s in samples]
-        ids, att, tmask = sequence_batch(seqs, [len(s.prompt_tokens) for s in samples], tok.pad_token_id)
-        gen_logp = torch.zeros(tmask.shape)  # (N, L-1), aligned with the target positions
-        for i, s in enumerate(samples):
-            P = len(s.prompt_tokens)
-            gen_logp[i, P - 1:P - 1 + len(s.tokens)] = torch.tensor(s.logprobs)
-            tmask[i, P - 1:P - 1 + len(s.tokens)] *= 1 - torch.tensor(s.forced, dtype=torch.float)  # forced: no loss
+        ids, att, tmask, gen_logp = rollout_tensors(samples, tok.pad_token_id)
+        lengths = att.sum(1).tolist()
         weights = losses.aggregation_weights(tmask, gid, how=cfg.agg)  # on the whole batch, sliced per micro-batch
         model.train()
         total, diags, mb = 0.0, [], []
         order = list(range(len(samples)))
         while order:
             mb, budget = [], cfg.micro_batch_tokens
-            while order and (not mb or len(seqs[order[0]]) <= budget):
-                budget -= len(seqs[order[0]])
+            while order and (not mb or lengths[order[0]] <= budget):
+                budget -= lengths[order[0]]
                 mb.append(order.pop(0))
             L = int(att[mb].sum(1).max())
             with torch.autocast("cpu", dtype=body_dtype, enabled=body_dtype != torch.float32):

@@ -198,3 +198,17 @@ def test_bad_scheduler_settings_are_refused():
         pipeline_rl.Scheduler(eng, mode="ppo", k=0, batch_prompts=1, group_size=2, new_prompt=None)
     with pytest.raises(ValueError, match="unknown"):
         pipeline_rl.Scheduler(eng, mode="async", k=1, batch_prompts=1, group_size=2, new_prompt=None)
+
+
+def test_trainer_tensors_mask_forced_tokens_and_align_logprobs(never_stop):
+    import scalerl
+    m = tiny_model(seed=3)
+    samples = [s for g in engine(copy.deepcopy(m), think=(6, 9), answer=4).generate(templates(3), 2) for s in g]
+    ids, att, tmask, gen_logp = scalerl.rollout_tensors(samples, pad_id=0)
+    for i, s in enumerate(samples):
+        P, n = len(s.prompt_tokens), len(s.tokens)
+        assert ids[i, P:P + n].tolist() == s.tokens and att[i].sum() == P + n
+        # target position j predicts ids[j + 1]: the completion occupies positions P-1 .. P+n-2
+        want = [0.0] * (P - 1) + [0.0 if f else 1.0 for f in s.forced] + [0.0] * (tmask.shape[1] - P + 1 - n)
+        assert tmask[i].tolist() == want and sum(s.forced) == len(PHRASE)
+        assert torch.equal(gen_logp[i, P - 1:P - 1 + n], torch.tensor(s.logprobs))
