@@ -14,14 +14,27 @@ What is here:
   5. `Scheduler`: PipelineRL-k (streaming generation, admission bounded so that no trained token is more than k
      versions old; stale groups dropped at consumption) and PPO-off-policy-k (k batches from frozen weights, then k
      optimizer steps). PipelineRL-0 and PPO-off-policy-1 are both synchronous on-policy RL, step for step.
+  6. Under torchrun (`dist_init`): generator ranks run `run_generator` (admission under the job-wide lag bound
+     through counters in torch's TCPStore, finished groups sent to trainer rank 0 on their own process group,
+     weights received between decode steps); trainer ranks use `TrainerLink` (the Scheduler's interface) and FSDP2
+     (`shard`). Every torch.distributed call of the project is in that last section, each wait bounded by a time-out.
 
-Everything runs in one process and is deterministic: the scheduler interleaves `decode_per_step` engine steps with
-each optimizer step, standing in for the generator/trainer speed ratio of a real cluster.
+In one process everything is deterministic: the scheduler interleaves `decode_per_step` engine steps with each
+optimizer step, standing in for the generator/trainer speed ratio of a real cluster.
 """
 from dataclasses import dataclass, field
+from datetime import timedelta
+import contextlib
+import os
+import pickle
+import queue
 import random
+import sys
+import threading
+import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import losses
@@ -127,6 +140,11 @@ class TorchEngine:
     @property
     def busy(self):
         return bool(self.waiting) or any(s is not None for s in self.slots)
+
+    @property
+    def room(self):
+        """Free slots not yet promised to a waiting completion."""
+        return self.slots.count(None) - sum(w[1] for w in self.waiting)
 
     @torch.no_grad()
     def load_weights(self, source, version):
@@ -254,6 +272,12 @@ class TorchEngine:
                     done.append(self.groups.pop(s.group)[0])
 
 
+def admission_limit(mode, version, k, B, dropped):
+    """How many groups may have started once `version` is loaded. PipelineRL-k: group n starts when the version is
+    at least n // B - k (a group dropped as stale gives its place back). PPO-off-policy-k: k*B groups per k versions."""
+    return (version + k + 1) * B + dropped if mode == "pipeline" else (version // k + 1) * k * B
+
+
 class Scheduler:
     """Feeds the trainer batches of `batch_prompts` finished groups from an engine.
 
@@ -276,8 +300,8 @@ class Scheduler:
         self.ready = []           # finished groups, in finish order
 
     def _admit(self):
-        limit = (self.version + self.k + 1) * self.B if self.mode == "pipeline" else None
-        while self.mode == "pipeline" and self.admitted - self.dropped_stale < limit:
+        while self.mode == "pipeline" and self.admitted < admission_limit(self.mode, self.version, self.k, self.B,
+                                                                          self.dropped_stale):
             self.engine.add(self.new_prompt(self.admitted), self.G)
             self.admitted += 1
 
@@ -323,3 +347,272 @@ class Scheduler:
         self.version += 1
         if self.mode == "pipeline" or not self.ready:
             self.engine.load_weights(model, self.version)
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Under torchrun: rank roles, transport and weight sync. Every torch.distributed call of the project is below.
+#
+# Ranks 0..T-1 train (global rank 0 is trainer rank 0: it logs, evaluates, checkpoints and publishes weights), ranks
+# T..W-1 generate. Process groups: "trainer" (FSDP2, batches, metric sums), "weights" (trainer rank 0 and the
+# generators: weight broadcasts) and one rollout group per generator (generator -> trainer rank 0), so a rollout in
+# transit never holds up a broadcast. Job-wide counters live in the TCPStore: policy version, groups admitted,
+# groups dropped as stale, stop, generator tokens and decode time. Gloo cannot poll a pending receive, so every
+# wait blocks, with a time-out.
+
+
+@dataclass
+class Dist:
+    """This process's place in the job (world 1: a plain `python scalerl.py`, no process groups)."""
+    rank: int = 0
+    world: int = 1
+    trainers: list = field(default_factory=lambda: [0])  # global ranks that train; trainers[0] == 0
+    generators: list = field(default_factory=list)        # global ranks that generate
+    timeout: float = 60.0                                  # seconds any wait on another rank may take
+    groups: dict = field(default_factory=dict)             # "trainer", "weights", generator rank -> rollout group
+    store: object = None                                   # the job's TCPStore
+
+    @property
+    def name(self):
+        return f"{'trainer' if self.rank in self.trainers else 'generator'} rank {self.rank}"
+
+
+def dist_init(gen_ranks=0, timeout=60.0):
+    """Join the torchrun job, if any, and assign roles: `gen_ranks` generators (0: half the world, at least 1)."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world == 1:
+        return Dist(timeout=timeout)
+    n_gen = gen_ranks or max(1, world // 2)
+    if n_gen >= world:
+        raise ValueError(f"--gen_ranks={n_gen} leaves no trainer rank in a world of {world}; use at most {world - 1}")
+    # the default group only serves start-up, where rank 0 may spend minutes on the warm start
+    dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
+                            timeout=timedelta(seconds=max(timeout, 1800)))
+    d = Dist(dist.get_rank(), world, list(range(world - n_gen)), list(range(world - n_gen, world)), timeout)
+    t = timedelta(seconds=timeout)
+    d.groups["trainer"] = dist.new_group(d.trainers, timeout=t)
+    d.groups["weights"] = dist.new_group([0] + d.generators, timeout=t)
+    for g in d.generators:  # pickled rollouts are CPU bytes: gloo even where weights go over NCCL
+        d.groups[g] = dist.new_group([0, g], timeout=t, backend="gloo")
+    d.store = dist.distributed_c10d._get_default_store()
+    return d
+
+
+def dist_cleanup(d):
+    if d.world > 1:
+        dist.destroy_process_group()
+
+
+def die(msg):
+    """One line naming this rank and what it waited for, then exit at once: a thread or process group stuck on a dead
+    peer must not keep the process alive."""
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def first_line(e):
+    return (str(e).strip().splitlines() or [""])[0][:300]
+
+
+@contextlib.contextmanager
+def waiting_for(d, what):
+    """A time-out or a lost peer inside the block (torch raises RuntimeError for both) ends the process with a
+    message saying what was awaited."""
+    try:
+        yield
+    except RuntimeError as e:
+        die(f"{d.name} gave up waiting for {what}: {first_line(e)}")
+
+
+def counter(d, key, add=0):
+    """A job-wide integer in the TCPStore: add `add` atomically, return the new value (add=0 reads it)."""
+    with waiting_for(d, f"the job's TCPStore (counter {key!r})"):
+        return d.store.add(key, add)
+
+
+def broadcast_from_rank0(d, module):
+    """Start-up: every rank takes rank 0's weights (after its warm start), in place."""
+    with waiting_for(d, "rank 0's initial weights"):
+        for t in module.state_dict().values() if d.world > 1 else []:
+            dist.broadcast(t, src=0)
+
+
+def shard(module, layers, d):
+    """FSDP2 over the trainer ranks: each of `layers` one unit, the rest (embeddings, final norm, head) the root.
+    Gradients are summed, not averaged: each rank's loss is its part of the whole batch's loss."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    mesh = DeviceMesh.from_group(d.groups["trainer"], next(module.parameters()).device.type)
+    for m in [*layers, module]:
+        fully_shard(m, mesh=mesh)
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no average or pre-scaled sum
+    return module
+
+
+def full_state_dict(module):
+    """Full (unsharded) weights; under FSDP2 every trainer rank must call it (one all-gather per tensor)."""
+    from torch.distributed.tensor import DTensor
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
+
+
+def share(d, obj):
+    """Trainer rank 0's `obj` (the kept groups) on every trainer rank."""
+    box = [obj]
+    if len(d.trainers) > 1:
+        with waiting_for(d, "the next batch from trainer rank 0"):
+            dist.broadcast_object_list(box, src=0, group=d.groups["trainer"])
+    return box[0]
+
+
+def reduce_metrics(d, sums, maxes):
+    """Sums and maxima (dicts of numbers) over the trainer ranks, before logging."""
+    if len(d.trainers) == 1:
+        return sums, maxes
+    s, m = (torch.tensor(list(x.values()), dtype=torch.float64) for x in (sums, maxes))
+    with waiting_for(d, f"metrics from trainer ranks {d.trainers}"):
+        dist.all_reduce(s, group=d.groups["trainer"])
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=d.groups["trainer"])
+    return dict(zip(sums, s.tolist())), dict(zip(maxes, m.tolist()))
+
+
+def send_groups(d, msg):
+    """Generator -> trainer rank 0 on this generator's own group: a length, then the pickled message (plain lists and
+    numbers; the ranks of one job trust each other)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(msg)), dtype=torch.uint8)
+    with waiting_for(d, "trainer rank 0 to take rollouts"):
+        for t in (torch.tensor([data.numel()]), data):
+            dist.send(t, dst=0, group=d.groups[d.rank])
+
+
+def recv_groups(d, src):
+    """Trainer rank 0's end. It may wait long (the trainer's inbox time-out watches liveness); a generator that dies
+    closes the connection, and this raises at once."""
+    n = torch.zeros(1, dtype=torch.long)
+    dist.irecv(n, src=src, group=d.groups[src]).wait(timeout=timedelta(days=1))
+    data = torch.empty(int(n), dtype=torch.uint8)
+    dist.irecv(data, src=src, group=d.groups[src]).wait(timeout=timedelta(days=1))
+    return pickle.loads(data.numpy().tobytes())
+
+
+def run_generator(d, engine, *, mode, k, batch_prompts, group_size, new_prompt, score, info):
+    """A generator rank until trainer rank 0 says stop. Between decode steps: receive every weight version published
+    since the last step (in flight, Sec. 3.1; PPO-off-policy loads only every k-th), admit groups while the engine has
+    room and the job-wide lag bound allows (ids from one atomic counter shared by all generators), then send the
+    groups that finished, scored (`score(group)` -> kept), with `info()` (curriculum figures) to trainer rank 0."""
+    shapes = {n: t.shape for n, t in engine.model.state_dict().items()}
+    names = sorted(shapes)
+    flat = torch.empty(sum(shapes[n].numel() for n in names))
+    received, held, idle = 0, None, None
+    while True:
+        stop = counter(d, "stop")  # read before the version: every broadcast published before the stop is received
+        for v in range(received + 1, counter(d, "version") + 1):
+            with waiting_for(d, f"policy version {v} from trainer rank 0"):
+                dist.broadcast(flat, src=0, group=d.groups["weights"])
+            received = v
+        if engine.version < received and (mode == "pipeline" or received % k == 0):
+            parts = flat.split([shapes[n].numel() for n in names])
+            engine.load_weights({n: t.view(shapes[n]) for n, t in zip(names, parts)}, received)
+        if stop:
+            break
+        dropped = counter(d, "dropped")
+        while engine.room > 0:
+            if held is None:
+                held = counter(d, "admitted", 1) - 1  # the next group id, job-wide
+            if held >= admission_limit(mode, engine.version, k, batch_prompts, dropped):
+                break  # past the lag bound: it starts once newer weights arrive
+            engine.add(new_prompt(held), group_size)
+            held = None
+        if not engine.busy:
+            idle = idle or time.time()
+            if time.time() - idle > d.timeout:
+                die(f"{d.name} gave up waiting for policy version {received + 1} from trainer rank 0 after "
+                    f"{d.timeout:.0f} s (the lag bound admits no new group before it)")
+            time.sleep(0.002)
+            continue
+        t, n, idle = time.time(), engine.stats["tokens"], None
+        done = engine.step()
+        counter(d, "gen_us", int((time.time() - t) * 1e6)), counter(d, "gen_tokens", engine.stats["tokens"] - n)
+        if done:
+            items = [(score(g), g) for g in done]
+            for s in (s for g in done for s in g):
+                s.meta = None  # the trainer needs tokens, logprobs, versions and rewards, not the problem
+            send_groups(d, (items, info()))
+    send_groups(d, None)  # trainer rank 0's receiver for this rank stops
+
+
+class TrainerLink:
+    """The Scheduler of trainer ranks under torchrun (same interface: next_batch, lag, push_weights, version,
+    dropped_stale). Trainer rank 0 receives rollouts on one thread per generator rank, so a generator never waits
+    for a train step; it drops groups past the lag bound at consumption, as the Scheduler does, and publishes
+    weights. Other trainer ranks get an empty batch here and their share of the work from `share`."""
+    lag = Scheduler.lag
+
+    def __init__(self, d, *, k, batch_prompts):
+        self.d, self.k, self.B = d, k, batch_prompts
+        self.version = self.dropped_stale = 0
+        self.kept, self.info = {}, {}  # group id -> kept by the zero-variance filter; generator rank -> its info()
+        self.inbox, self.pending, self.flat = queue.Queue(), None, None
+        self.threads = [threading.Thread(target=self._receive, args=(g,), daemon=True)
+                        for g in (d.generators if d.rank == 0 else [])]
+        for t in self.threads:
+            t.start()
+
+    def _receive(self, src):
+        try:
+            while (msg := recv_groups(self.d, src)) is not None:
+                self.info[src] = msg[1]
+                for kept, g in msg[0]:
+                    self.kept[g[0].group] = kept
+                    self.inbox.put(g)
+        except Exception as e:  # noqa: BLE001 -- whatever it is, the main thread must hear of it and stop
+            self.inbox.put(f"rollouts from generator rank {src}: {first_line(e)}")
+
+    def next_batch(self):
+        batch = []
+        while self.d.rank == 0 and len(batch) < self.B:
+            try:
+                g = self.inbox.get(timeout=self.d.timeout)
+            except queue.Empty:
+                die(f"{self.d.name} gave up waiting for rollouts from generator ranks {self.d.generators} after "
+                    f"{self.d.timeout:.0f} s")
+            if isinstance(g, str):
+                die(f"{self.d.name} lost {g}")
+            if self.version - min(min(s.versions) for s in g) > self.k:
+                self.dropped_stale += 1
+                counter(self.d, "dropped", 1)  # its place under the lag bound goes back to the generators
+                continue
+            batch.append(g)
+        return sorted(batch, key=lambda g: g[0].group)  # admission order, as in one process
+
+    def push_weights(self, weights):
+        """After an optimizer step: trainer rank 0 starts broadcasting the full weights to the generators (once the
+        previous broadcast has landed) and publishes the new version; it does not wait for this one."""
+        self.version += 1
+        if self.d.rank == 0:
+            self._land()
+            self.flat = torch.cat([weights[n].detach().reshape(-1).float() for n in sorted(weights)])
+            self.pending = dist.broadcast(self.flat, src=0, group=self.d.groups["weights"], async_op=True)
+            counter(self.d, "version", 1)
+
+    def _land(self):
+        if self.pending is not None:
+            with waiting_for(self.d, f"generator ranks {self.d.generators} to take the last weight broadcast"):
+                self.pending.wait()
+            self.pending = None
+
+    def totals(self):
+        """Generation so far: tokens and decode seconds over all generator ranks, NPR removals, furthest epoch."""
+        s = list(self.info.values())  # a copy: the receiver threads add to it
+        return dict(tokens=counter(self.d, "gen_tokens"), busy=counter(self.d, "gen_us") / 1e6,
+                    npr_removed=sum(x["npr_removed"] for x in s), epoch=max((x["epoch"] for x in s), default=0))
+
+    def close(self):
+        """The end of the run: generators stop after the last broadcast; their receivers end with them."""
+        if self.d.rank == 0:
+            counter(self.d, "stop", 1)
+            self._land()
+            for g, t in zip(self.d.generators, self.threads):
+                t.join(self.d.timeout)
+                if t.is_alive():
+                    die(f"{self.d.name} gave up waiting for generator rank {g} to stop after {self.d.timeout:.0f} s")

@@ -11,13 +11,19 @@ The paper's choices this script makes (section numbers are the paper's; RECIPE.m
   8. Forced length interruption: thinking budget, then "Okay, time is up..." and an answer budget (App. A.10).
   9. AdamW with linear warm-up then constant LR, gradient clipping, no KL term (App. A.3).
  10. Progress is judged by the sigmoid fit of held-out pass rate against device-hours (Sec. 2.1).
+ 11. Under torchrun: generator ranks and FSDP2 trainer ranks, full weights broadcast after every optimizer step
+     (App. A.16: 64 generating and 16 FSDP training GPUs per run). Device-hours count every rank.
 
 Run it:
   python scalerl.py                          # tiny: built-in task, model built in code, one CPU, minutes
   python scalerl.py --max_steps=50 --loss=dapo --out_dir=out/dapo
   python scalerl.py --out_dir=out/tiny --resume
+  torchrun --standalone --nproc_per_node=2 scalerl.py           # rank 0 trains, rank 1 generates (gloo on CPU)
+  torchrun --nnodes=2 --node_rank=0 --nproc_per_node=4 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 \
+      scalerl.py --gen_ranks=6                # and node_rank=1 on the other node: ranks 0-1 train (FSDP2), 2-7 generate
 """
 from dataclasses import dataclass, fields, asdict
+import contextlib
 import difflib
 import hashlib
 import inspect
@@ -103,6 +109,9 @@ class Config:
     beta2: float = 0.99
     grad_clip: float = 1.0             # max gradient norm
     micro_batch_tokens: int = 8192     # trainer micro-batch size in tokens (gradients accumulate exactly)
+    # torchrun (a plain `python scalerl.py` is one process doing everything)
+    gen_ranks: int = 0                 # generator ranks (0: half the world, at least 1); the others train, FSDP2 if > 1
+    dist_timeout: float = 60.0         # seconds a rank waits on another before exiting with a message (> one eval)
 
 
 PRESETS = {
@@ -172,10 +181,10 @@ def validate(cfg):
               "micro_batch_tokens"):
         if getattr(cfg, k) <= 0:
             fail(f"--{k} must be positive, got {getattr(cfg, k)}")
-    for k in ("sft_steps", "warmup_steps", "decode_per_step", "threads"):
+    for k in ("sft_steps", "warmup_steps", "decode_per_step", "threads", "gen_ranks"):
         if getattr(cfg, k) < 0:
             fail(f"--{k} must be >= 0, got {getattr(cfg, k)}")
-    for k in ("lr", "temperature", "eps_max", "grad_clip"):
+    for k in ("lr", "temperature", "eps_max", "grad_clip", "dist_timeout"):
         if not getattr(cfg, k) > 0:
             fail(f"--{k} must be > 0, got {getattr(cfg, k)}")
     if cfg.max_lag < (1 if cfg.off_policy == "ppo" else 0):
@@ -248,6 +257,71 @@ def rollout_tensors(samples, pad_id):
         gen_logp[i, P - 1:P - 1 + n] = torch.tensor(s.logprobs)
         tmask[i, P - 1:P - 1 + n] *= 1 - torch.tensor(s.forced, dtype=torch.float)
     return ids, att, tmask, gen_logp
+
+
+def loss_options(cfg):
+    return {"eps_max": cfg.eps_max} if cfg.loss == "cispo" else {
+        k: v for k, v in (("eps_low", cfg.eps_low), ("eps_high", cfg.eps_high)) if v >= 0}
+
+
+class Policy(torch.nn.Module):
+    """The trainer's forward as one module call, token logprobs (N, L-1) of ids (N, L): the body autocast to
+    `body_dtype` over fp32 master weights, the head in `head_dtype` (FP32 head, Sec. 3.2). One call is what FSDP2
+    needs: its hooks gather every weight the call uses, the head's included."""
+    def __init__(self, lm, temperature, body_dtype, head_dtype):
+        super().__init__()
+        self.lm, self.temperature, self.body_dtype, self.head_dtype = lm, temperature, body_dtype, head_dtype
+
+    def forward(self, ids, att):
+        with torch.autocast(ids.device.type, dtype=self.body_dtype, enabled=self.body_dtype != torch.float32):
+            hidden = self.lm.model(input_ids=ids, attention_mask=att).last_hidden_state  # (N, L, H)
+        logp = pipeline_rl.head_logprobs(hidden[:, :-1], self.lm.lm_head.weight, ids[:, 1:], self.temperature,
+                                         self.head_dtype)
+        return logp.clone()  # not a view: FSDP2 hooks its backward onto the output
+
+
+def micro_batches(order, lengths, budget):
+    """Runs of `order` (sorted by length) that fit `budget` tokens once padded to their longest (the last)."""
+    out = []
+    for i in order:
+        if out and (len(out[-1]) + 1) * lengths[i] <= budget:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def policy_gradient(policy, groups, cfg, pad_id, rank=0, world=1):
+    """Backward of the RL loss (Sec. 3.2) on `groups`, accumulated into .grad over token-budget micro-batches.
+    With `world` trainer ranks, this rank takes every world-th completion by length; advantages and aggregation
+    weights come from the whole batch, so the ranks' gradients sum to the one-process gradient (float round-off
+    apart). Returns this rank's loss, token-weighted diagnostic sums (with n_tokens) and largest ratio."""
+    samples = [s for g in groups for s in g]
+    rewards = torch.tensor([s.reward for s in samples])
+    gid = torch.tensor([s.group for s in samples])
+    adv = losses.group_advantages(rewards, gid, norm=cfg.adv_norm)  # (N,)
+    ids, att, tmask, gen_logp = rollout_tensors(samples, pad_id)
+    weights = losses.aggregation_weights(tmask, gid, how=cfg.agg)  # on the whole batch, sliced per micro-batch
+    lengths = att.sum(1).tolist()
+    order = sorted(range(len(samples)), key=lengths.__getitem__)  # similar lengths together: little padding
+    plans = [micro_batches(order[r::world], lengths, cfg.micro_batch_tokens) for r in range(world)]
+    policy.train()
+    total, sums, ratio_max = 0.0, dict(clip_frac=0.0, ratio_mean=0.0, mismatch_kl=0.0, n_tokens=0), 0.0
+    for i in range(max(map(len, plans))):
+        if i >= len(plans[rank]):  # FSDP2 ranks run the same number of passes: this one adds a zero gradient
+            (policy(ids[:1], att[:1]).sum() * 0).backward()
+            continue
+        mb = plans[rank][i]
+        L = lengths[mb[-1]]
+        loss, diag = losses.policy_loss(policy(ids[mb, :L], att[mb, :L]), gen_logp[mb, :L - 1], adv[mb],
+                                        tmask[mb, :L - 1], weights[mb, :L - 1], loss=cfg.loss, **loss_options(cfg))
+        loss.backward()
+        total += loss.item()
+        for k in ("clip_frac", "ratio_mean", "mismatch_kl"):
+            sums[k] += diag[k] * diag["n_tokens"]
+        sums["n_tokens"] += diag["n_tokens"]
+        ratio_max = max(ratio_max, diag["ratio_max"])
+    return total, sums, ratio_max
 
 
 def warm_start(cfg, model, tok, out_root):
@@ -325,6 +399,12 @@ def read_metrics(path, upto_step):
 # The recipe
 
 
+def print0(*args, **kw):
+    """Print on global rank 0 only (every rank of a torchrun job runs this script)."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*args, **kw)
+
+
 def main(cfg):
     t_start = time.time()
     if cfg.threads:
@@ -335,6 +415,14 @@ def main(cfg):
         fail(f"run directory {cfg.out_dir} already holds a run; pass --resume to continue it or pick another --out_dir")
     if cfg.resume and not os.path.exists(ckpt_path):
         fail(f"--resume: no checkpoint at {ckpt_path}; start a fresh run without --resume")
+    try:
+        d = pipeline_rl.dist_init(cfg.gen_ranks, cfg.dist_timeout)  # world 1: this process does everything
+    except ValueError as e:
+        fail(str(e))
+    if cfg.resume and d.world > 1:
+        fail("--resume works in one process only: a torchrun run's checkpoint holds its weights, not the optimizer "
+             "and curricula spread over its ranks")
+    generator = d.rank in d.generators
     random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
 
     # -- data ---------------------------------------------------------------------------------------------------------
@@ -346,6 +434,9 @@ def main(cfg):
         fail(str(e))
     if cfg.model == "tiny" and cfg.task != "arith":
         fail(f"the tiny character-level model only covers --task=arith; pass --model=<hub name or path> for {cfg.task}")
+    n_prompts = len(train)
+    if generator:  # each generator rank draws from its own share of the prompts and keeps its own curriculum
+        train = train[d.generators.index(d.rank)::len(d.generators)]
     pool = data.PromptPool(train, seed=cfg.seed, npr=cfg.npr, npr_threshold=cfg.npr_threshold,
                            zero_var=cfg.zero_var_filter)
 
@@ -353,7 +444,9 @@ def main(cfg):
     if cfg.model == "tiny":
         tok = char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=")
         model = build_model(cfg, len(tok))
-        warm_start(cfg, model, tok, out_root)
+        if d.rank == 0:
+            warm_start(cfg, model, tok, out_root)
+        pipeline_rl.broadcast_from_rank0(d, model)  # every rank starts from rank 0's warm start
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         tok, model = AutoTokenizer.from_pretrained(cfg.model), AutoModelForCausalLM.from_pretrained(cfg.model)
@@ -370,21 +463,39 @@ def main(cfg):
             interrupt_ids=encode(tok, data.INTERRUPT_PHRASE) if cfg.interrupt else None,
             temperature=cfg.temperature, head_dtype=head_dtype, seed=seed)
 
-    engine = make_engine(cfg.seed, cfg.slots)
-    eval_engine = make_engine(cfg.seed + 1, cfg.slots)
+    engine = make_engine(cfg.seed + d.rank, cfg.slots) if d.world == 1 or generator else None
+    eval_engine = make_engine(cfg.seed + 1, cfg.slots) if d.rank == 0 else None
 
     def new_prompt(gid):
         p = pool.next()
         return pipeline_rl.Sample(p.id, gid, encode(tok, data.format_prompt(p.question, tok)), meta=p)
 
-    sched = pipeline_rl.Scheduler(engine, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
-                                  group_size=cfg.group_size, new_prompt=new_prompt,
-                                  decode_per_step=cfg.decode_per_step)
-    loss_kw = {"eps_max": cfg.eps_max} if cfg.loss == "cispo" else {
-        k: v for k, v in (("eps_low", cfg.eps_low), ("eps_high", cfg.eps_high)) if v >= 0}
+    def score(g):
+        """Reward each completion and record the group in the curriculum; True if the group is kept for the loss."""
+        for s in g:
+            s.reward = data.reward(s.meta, tok.decode(s.tokens, skip_special_tokens=True))
+        return pool.record(g[0].prompt_id, [s.reward for s in g])
 
-    # -- optimizer (fp32 master weights; the body autocasts when dtype is lower) ------------------------------------
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
+    if generator:  # a generator rank's whole job
+        pipeline_rl.run_generator(d, engine, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
+                                  group_size=cfg.group_size, new_prompt=new_prompt, score=score,
+                                  info=lambda: dict(npr_removed=pool.npr_removed, epoch=pool.epoch))
+        pipeline_rl.dist_cleanup(d)
+        return
+
+    # -- trainer: the policy (FSDP2 over several trainer ranks), its optimizer, the batch source --------------------
+    policy = Policy(model, cfg.temperature, body_dtype, head_dtype)
+    trainer_rank, n_trainers, n_gen = d.trainers.index(d.rank), len(d.trainers), max(len(d.generators), 1)
+    if n_trainers > 1:
+        pipeline_rl.shard(policy, model.model.layers, d)
+    if d.world == 1:
+        sched = pipeline_rl.Scheduler(engine, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
+                                      group_size=cfg.group_size, new_prompt=new_prompt,
+                                      decode_per_step=cfg.decode_per_step)
+    else:
+        sched = pipeline_rl.TrainerLink(d, k=cfg.max_lag, batch_prompts=cfg.batch_prompts)
+    # fp32 master weights; the body autocasts when dtype is lower
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
                             weight_decay=cfg.weight_decay)
     step, device_hours = 0, 0.0
     B, G = cfg.batch_prompts, cfg.group_size
@@ -396,31 +507,35 @@ def main(cfg):
         engine.rng.set_state(ck["rng"]), torch.set_rng_state(ck["torch_rng"])
         engine.load_weights(model, sched.version)
         print(f"resumed {cfg.out_dir} at step {step} (in-flight completions are regenerated)")
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    rows = read_metrics(metrics_path, step)  # drop rows logged after the checkpoint: the log continues seamlessly
-    with open(metrics_path + ".tmp", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-    os.replace(metrics_path + ".tmp", metrics_path)
-    log = open(metrics_path, "a", buffering=1)
-    meta = dict(config=asdict(cfg), versions=dict(python=platform.python_version(), torch=torch.__version__,
-                                                   transformers=__import__("transformers").__version__),
-                git=git_hash(), n_params=n_params)
-    json.dump(meta, open(os.path.join(cfg.out_dir, "config.json"), "w"), indent=1)
+    if d.rank == 0:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        rows = read_metrics(metrics_path, step)  # drop rows logged after the checkpoint: the log continues seamlessly
+        with open(metrics_path + ".tmp", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        os.replace(metrics_path + ".tmp", metrics_path)
+        log = open(metrics_path, "a", buffering=1)
+        meta = dict(config=asdict(cfg), versions=dict(python=platform.python_version(), torch=torch.__version__,
+                                                       transformers=__import__("transformers").__version__),
+                    git=git_hash(), n_params=n_params, ranks=dict(trainers=d.trainers, generators=d.generators))
+        json.dump(meta, open(os.path.join(cfg.out_dir, "config.json"), "w"), indent=1)
 
-    print(f"scalerl | {cfg.model} {n_params / 1e6:.2f}M params, body {cfg.dtype}, head "
-          f"{'fp32' if cfg.fp32_head else cfg.dtype} | {cfg.task}: {len(train)} train / {len(val)} held-out prompts")
-    print(f"  {B} prompts x {G} completions = {B * G} per step | {cfg.max_steps} steps | think "
-          f"{cfg.think_min}-{cfg.think_max} + answer {cfg.answer_budget} tokens | interruption {'on' if cfg.interrupt else 'off'}")
-    print(f"  {cfg.loss} loss, {cfg.agg} aggregation, {cfg.adv_norm} adv norm, zero-var filter {cfg.zero_var_filter}, "
-          f"NPR {cfg.npr} | {'PipelineRL' if cfg.off_policy == 'pipeline' else 'PPO-off-policy'}-{cfg.max_lag}, "
-          f"{cfg.decode_per_step} decode steps per train step | engine {cfg.engine}, {cfg.slots} slots")
+    print0(f"scalerl | {cfg.model} {n_params / 1e6:.2f}M params, body {cfg.dtype}, head "
+           f"{'fp32' if cfg.fp32_head else cfg.dtype} | {cfg.task}: {n_prompts} train / {len(val)} held-out prompts")
+    print0(f"  {B} prompts x {G} completions = {B * G} per step | {cfg.max_steps} steps | think "
+           f"{cfg.think_min}-{cfg.think_max} + answer {cfg.answer_budget} tokens | interruption {'on' if cfg.interrupt else 'off'}")
+    print0(f"  {cfg.loss} loss, {cfg.agg} aggregation, {cfg.adv_norm} adv norm, zero-var filter {cfg.zero_var_filter}, "
+           f"NPR {cfg.npr} | {'PipelineRL' if cfg.off_policy == 'pipeline' else 'PPO-off-policy'}-{cfg.max_lag}, "
+           f"{cfg.decode_per_step} decode steps per train step | engine {cfg.engine}, {cfg.slots} slots")
+    if d.world > 1:
+        print0(f"  torchrun: {d.world} ranks | trainer ranks {d.trainers}{' (FSDP2)' if n_trainers > 1 else ''} | "
+               f"generator ranks {d.generators} | device-hours = wall time x {d.world}")
 
     def write(row):
         log.write(json.dumps(row) + "\n")
 
-    def evaluate():
+    def evaluate(weights):
         """mean@k pass rate on the held-out prompts, with the trainer's current weights (not on the compute axis)."""
-        eval_engine.load_weights(model, sched.version)
+        eval_engine.load_weights(weights, sched.version)
         eval_engine.rng.manual_seed(cfg.seed + 7919 * step)
         templates = [pipeline_rl.Sample(p.id, -1 - i, encode(tok, data.format_prompt(p.question, tok)), meta=p)
                      for i, p in enumerate(val)]
@@ -429,86 +544,82 @@ def main(cfg):
                               for g in groups for s in g]))
 
     def train_step(groups):
-        """One optimizer step on the kept groups; gradients accumulate over token-budget micro-batches exactly."""
+        """One optimizer step on the kept groups (this trainer rank's share of them; gradients summed by FSDP2)."""
         lr = cfg.lr * min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
         for g in opt.param_groups:
             g["lr"] = lr
-        samples = [s for g in groups for s in g]
-        if not samples:  # every group was zero-variance: no signal, no update
+        if not groups:  # every group was zero-variance: no signal, no update
             return 0.0, dict(clip_frac=0.0, ratio_mean=1.0, ratio_max=1.0, mismatch_kl=0.0), 0
-        rewards = torch.tensor([s.reward for s in samples])
-        gid = torch.tensor([s.group for s in samples])
-        adv = losses.group_advantages(rewards, gid, norm=cfg.adv_norm)  # (N,)
-        ids, att, tmask, gen_logp = rollout_tensors(samples, tok.pad_token_id)
-        lengths = att.sum(1).tolist()
-        weights = losses.aggregation_weights(tmask, gid, how=cfg.agg)  # on the whole batch, sliced per micro-batch
-        model.train()
-        total, diags, mb = 0.0, [], []
-        order = sorted(range(len(samples)), key=lengths.__getitem__)  # similar lengths together: little padding
-        while order:
-            mb = [order.pop(0)]  # micro-batch: as many as fit the budget once padded to the longest (the last)
-            while order and (len(mb) + 1) * lengths[order[0]] <= cfg.micro_batch_tokens:
-                mb.append(order.pop(0))
-            L = lengths[mb[-1]]
-            with torch.autocast("cpu", dtype=body_dtype, enabled=body_dtype != torch.float32):
-                hidden = model.model(input_ids=ids[mb, :L], attention_mask=att[mb, :L]).last_hidden_state
-            logp = pipeline_rl.head_logprobs(hidden[:, :-1], model.lm_head.weight, ids[mb, 1:L], cfg.temperature,
-                                             head_dtype)
-            loss, diag = losses.policy_loss(logp, gen_logp[mb, :L - 1], adv[mb], tmask[mb, :L - 1],
-                                            weights[mb, :L - 1], loss=cfg.loss, **loss_kw)
-            loss.backward()
-            total += loss.item()
-            diags.append(diag)
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        with pipeline_rl.waiting_for(d, f"gradients of trainer ranks {d.trainers}") if n_trainers > 1 else \
+                contextlib.nullcontext():
+            loss, sums, ratio_max = policy_gradient(policy, groups, cfg, tok.pad_token_id, trainer_rank, n_trainers)
+            gnorm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
+            gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm  # FSDP2: a DTensor
+        sums, maxes = pipeline_rl.reduce_metrics(d, dict(sums, loss=loss), dict(ratio_max=ratio_max))
         if math.isfinite(gnorm):
             opt.step()
         opt.zero_grad(set_to_none=True)
-        n = sum(d["n_tokens"] for d in diags) or 1
-        avg = {k: sum(d[k] * d["n_tokens"] for d in diags) / n for k in ("clip_frac", "ratio_mean", "mismatch_kl")}
-        avg["ratio_max"] = max(d["ratio_max"] for d in diags)
-        return total, avg, int(tmask.sum())
+        n = sums["n_tokens"] or 1
+        avg = {k: sums[k] / n for k in ("clip_frac", "ratio_mean", "mismatch_kl")}
+        avg["ratio_max"] = maxes["ratio_max"]
+        return sums["loss"], avg, int(sums["n_tokens"])
 
-    def checkpoint():
-        atomic_save(dict(model=model.state_dict(), opt=opt.state_dict(), pool=pool.state_dict(), step=step,
-                         device_hours=device_hours, version=sched.version, stale=sched.dropped_stale,
-                         rng=engine.rng.get_state(), torch_rng=torch.get_rng_state()), ckpt_path)
+    def gen_totals(t_gen):
+        """Generation so far: tokens, decode seconds, NPR removals, epoch; under torchrun summed over the generator
+        ranks. In one process generation and training alternate: the decode seconds are the step's t_gen."""
+        if d.world > 1:
+            return sched.totals()
+        return dict(tokens=engine.stats["tokens"], busy=t_gen, npr_removed=pool.npr_removed, epoch=pool.epoch)
+
+    def checkpoint(weights):
+        ck = dict(model=weights, step=step, device_hours=device_hours, version=sched.version, stale=sched.dropped_stale)
+        if d.world == 1:  # under torchrun, optimizer shards and curricula live on many ranks: weights only
+            ck.update(opt=opt.state_dict(), pool=pool.state_dict(), rng=engine.rng.get_state(),
+                      torch_rng=torch.get_rng_state())
+        atomic_save(ck, ckpt_path)
 
     # -- the loop -------------------------------------------------------------------------------------------------
-    if step == 0:
-        pr = evaluate()
+    weights = pipeline_rl.full_state_dict(model)  # full weights (FSDP2: gathered on every trainer rank)
+    if step == 0 and d.rank == 0:
+        pr = evaluate(weights)
         write(dict(step=0, device_hours=0.0, pass_rate=pr, eval=True))
         print(f"step    0 | held-out pass rate {pr:.3f} (before RL: R0)")
-        checkpoint()  # a run killed before its first periodic checkpoint can still --resume
+        checkpoint(weights)  # a run killed before its first periodic checkpoint can still --resume
     t_loop, steps_done = time.time(), 0
     eval_time = 0.0
     while step < cfg.max_steps:
         t0 = time.time()
-        tok0 = engine.stats["tokens"]
-        batch = sched.next_batch()
+        gen0 = gen_totals(0.0)
+        batch = sched.next_batch()  # under torchrun: trainer rank 0's; the other trainer ranks get theirs below
         t_gen = time.time() - t0
-        gen_tokens = engine.stats["tokens"] - tok0
         kept, rewards, trunc = [], [], []
         for g in batch:
-            for s in g:
-                s.reward = data.reward(s.meta, tok.decode(s.tokens, skip_special_tokens=True))
-                trunc.append(s.interrupted or s.truncated)
-            rewards += [s.reward for s in g]
-            if pool.record(g[0].prompt_id, [s.reward for s in g]):
+            if score(g) if d.world == 1 else sched.kept.pop(g[0].group):  # under torchrun: scored by its generator
                 kept.append(g)
+            rewards += [s.reward for s in g]
+            trunc += [s.interrupted or s.truncated for s in g]
         lag_mean, lag_max = sched.lag(batch)
         t1 = time.time()
-        loss, diag, n_tok = train_step(kept)
+        loss, diag, n_tok = train_step(pipeline_rl.share(d, kept))
         t_train = time.time() - t1
-        sched.push_weights(model)
+        weights = pipeline_rl.full_state_dict(model)
+        sched.push_weights(weights)
         step += 1
         dt = time.time() - t0
-        device_hours += dt / 3600  # x world size (1 here): the compute axis counts every device
+        device_hours += dt * d.world / 3600  # the compute axis counts every device
+        if d.rank != 0:
+            continue
+        gen = gen_totals(t_gen)
+        gen_s = gen["busy"] - gen0["busy"]  # decode seconds during the step (all generator ranks)
         row = dict(step=step, device_hours=device_hours, policy_version=sched.version, reward=float(np.mean(rewards)),
                    loss=loss, clip_frac=diag["clip_frac"], ratio_mean=diag["ratio_mean"], ratio_max=diag["ratio_max"],
                    mismatch_kl=diag["mismatch_kl"], lag_mean=lag_mean, lag_max=lag_max,
+                   mixed_version_frac=float(np.mean([len(set(s.versions)) > 1 for g in batch for s in g])),
                    dropped_stale=sched.dropped_stale, trunc_rate=float(np.mean(trunc)),
-                   zero_var_frac=1 - len(kept) / len(batch), npr_removed=pool.npr_removed, epoch=pool.epoch,
-                   gen_tok_s=gen_tokens / max(t_gen, 1e-9), train_tok_s=n_tok / max(t_train, 1e-9), lr=opt.param_groups[0]["lr"], dt=dt)
+                   zero_var_frac=1 - len(kept) / len(batch), npr_removed=gen["npr_removed"], epoch=gen["epoch"],
+                   gen_tok_s=(gen["tokens"] - gen0["tokens"]) / max(gen_s, 1e-9), gen_busy=gen_s / (dt * n_gen),
+                   train_tok_s=n_tok / max(t_train, 1e-9), train_busy=t_train / dt, train_tokens=n_tok,
+                   lr=opt.param_groups[0]["lr"], dt=dt)
         write(row)
         steps_done += 1
         eta = (time.time() - t_loop - eval_time) / steps_done * (cfg.max_steps - step)
@@ -518,13 +629,18 @@ def main(cfg):
                 f"{row['train_tok_s']:.0f} tok/s | {dt:.2f}s | eta {eta / 60:.1f}m")
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             te = time.time()
-            pr = evaluate()
+            pr = evaluate(weights)
             eval_time += time.time() - te
             write(dict(step=step, device_hours=device_hours, pass_rate=pr, eval=True))
             line += f" | held-out pass rate {pr:.3f}"
         print(line, flush=True)
         if step % cfg.ckpt_every == 0 or step == cfg.max_steps:
-            checkpoint()
+            checkpoint(weights)
+    if d.world > 1:
+        sched.close()
+    pipeline_rl.dist_cleanup(d)
+    if d.rank != 0:
+        return
     log.close()
 
     # -- the curve ----------------------------------------------------------------------------------------------------

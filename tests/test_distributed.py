@@ -1,0 +1,292 @@
+"""The run under torchrun: roles, FSDP2 parity, lag bound across ranks, multi-node rendezvous, faults that end the job.
+
+1. Config: a world with no trainer rank left is refused with one clear line (in-process).
+2. FSDP2 parity: 2 trainer ranks (this file run under torchrun) give the loss, gradients, clipped norm and AdamW
+   update of 1 process on the same batch, to float round-off; the ranks run unequal micro-batch counts on purpose.
+3. `torchrun --standalone --nproc_per_node=2 scalerl.py --config smoke`: 1 generator + 1 trainer rank (gloo); the lag
+   bound holds, completions mixing policy versions appear, device-hours count both ranks. Then 3 ranks, 2 of them
+   FSDP2 trainers: the loop runs end to end and the checkpoint holds full (gathered) weights.
+4. Two `torchrun --nnodes=2` launches (c10d rendezvous on 127.0.0.1) train together; then the generator's process is
+   killed and the trainer's launch ends within a bounded time with a message naming rank 1.
+5. A generator that hangs (SIGSTOP) makes trainer rank 0 exit after --dist_timeout with a message naming it.
+
+All runs share one base directory (the warm start is computed once). Run: python -m pytest tests/test_distributed.py
+(a minute or two on 2 CPU cores; `-m "not slow"` keeps only the in-process check).
+"""
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import pipeline_rl  # noqa: E402
+import scalerl  # noqa: E402
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+       "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+
+
+def torchrun(*args):
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return tmp_path_factory.mktemp("dist")
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 1. Roles
+
+
+def test_world_without_trainer_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="--gen_ranks=2 leaves no trainer rank"):
+        pipeline_rl.dist_init(gen_ranks=2)
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 2. FSDP2 parity: the same batch through policy_gradient on 1 process and on 2 sharded trainer ranks
+
+VOCAB, BUDGET = 20, 48
+
+
+def parity_setup():
+    """A tiny model config and a fixed batch: 5 groups of 3 completions of varied lengths, some forced tokens."""
+    cfg = scalerl.Config(n_layer=2, n_embd=32, n_head=2, micro_batch_tokens=BUDGET, grad_clip=0.05)
+    rng = random.Random(0)
+    groups = []
+    for gid in range(5):
+        prompt = [rng.randrange(5, VOCAB) for _ in range(rng.randint(3, 6))]
+        g = []
+        for _ in range(3):
+            n = rng.randint(4, 18)
+            g.append(pipeline_rl.Sample(gid, gid, prompt, tokens=[rng.randrange(1, VOCAB) for _ in range(n)],
+                                        logprobs=[-rng.uniform(1.5, 4) for _ in range(n)], versions=[0] * n,
+                                        forced=[rng.random() < 0.1 for _ in range(n)], reward=rng.choice([-1., 1.])))
+        groups.append(g)
+    return cfg, groups
+
+
+def parity_step(policy, cfg, groups, rank=0, world=1):
+    """policy_gradient, then what scalerl's train step does after it: clip, AdamW step."""
+    loss, sums, rmax = scalerl.policy_gradient(policy, groups, cfg, 0, rank, world)
+    grads = {n: p.grad.clone() for n, p in policy.named_parameters()}
+    gnorm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    opt.step()
+    return dict(loss=loss, sums=sums, ratio_max=rmax, grads=grads, gnorm=gnorm)
+
+
+def fsdp_worker(out):
+    """Run by torchrun with 2 ranks: both train, sharded; rank 0 saves what the test compares."""
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    d = pipeline_rl.Dist(dist.get_rank(), 2, [0, 1], [], 60.0, {"trainer": dist.group.WORLD})
+    cfg, groups = parity_setup()
+    model = scalerl.build_model(cfg, VOCAB)
+    policy = pipeline_rl.shard(scalerl.Policy(model, 1.0, torch.float32, torch.float32), model.model.layers, d)
+    r = parity_step(policy, cfg, groups, d.rank, 2)
+    sums, maxes = pipeline_rl.reduce_metrics(d, dict(r["sums"], loss=r["loss"]), dict(ratio_max=r["ratio_max"]))
+    grads = {n: g.full_tensor() for n, g in r["grads"].items()}
+    res = dict(sums=sums, maxes=maxes, grads=grads, gnorm=r["gnorm"].full_tensor(),
+               params=pipeline_rl.full_state_dict(model), sharded=type(next(policy.parameters())).__name__)
+    if d.rank == 0:
+        torch.save(res, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_two_trainer_ranks_match_one_process(tmp_path):
+    cfg, groups = parity_setup()
+    lengths = [len(s.prompt_tokens) + len(s.tokens) for g in groups for s in g]
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    counts = [len(scalerl.micro_batches(order[r::2], lengths, BUDGET)) for r in (0, 1)]
+    assert counts[0] != counts[1] and min(counts) >= 2  # unequal: one rank runs a zero-gradient pass to keep step
+
+    out = tmp_path / "fsdp.pt"
+    p = subprocess.run(torchrun("--standalone", "--nproc_per_node=2", __file__, str(out)), cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    two = torch.load(out, weights_only=False)
+    assert two["sharded"] == "DTensor"
+
+    model = scalerl.build_model(cfg, VOCAB)
+    one = parity_step(scalerl.Policy(model, 1.0, torch.float32, torch.float32), cfg, groups)
+    assert two["sums"]["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
+    assert two["sums"]["n_tokens"] == one["sums"]["n_tokens"] > 0
+    for k in ("clip_frac", "ratio_mean", "mismatch_kl"):
+        assert two["sums"][k] == pytest.approx(one["sums"][k], rel=1e-5, abs=1e-6)
+    assert two["maxes"]["ratio_max"] == pytest.approx(one["ratio_max"], rel=1e-6)
+    assert set(two["grads"]) == set(one["grads"])
+    scale = max(g.abs().max().item() for g in one["grads"].values())
+    assert scale > 0
+    for n, g in one["grads"].items():
+        torch.testing.assert_close(two["grads"][n], g, rtol=1e-4, atol=1e-5 * scale, msg=n)
+    assert float(two["gnorm"]) == pytest.approx(float(one["gnorm"]), rel=1e-5)
+    assert float(one["gnorm"]) > cfg.grad_clip  # clipping was active: the sharded norm mattered
+    for n, v in model.state_dict().items():  # after clip + AdamW step
+        torch.testing.assert_close(two["params"][n], v, rtol=1e-4, atol=1e-5, msg=n)
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 3. One generator rank, one trainer rank
+
+
+SMOKE = ["scalerl.py", "--config", "smoke", "--threads=1"]
+
+
+@pytest.mark.slow
+def test_two_ranks_smoke(runs):
+    out = runs / "two"
+    p = subprocess.run(torchrun("--standalone", "--nproc_per_node=2", *SMOKE, f"--out_dir={out}", "--max_steps=6",
+                                "--eval_every=3"), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "generator ranks [1]" in p.stdout
+    meta = json.load(open(out / "config.json"))
+    assert meta["ranks"] == {"trainers": [0], "generators": [1]}
+    rows = read_jsonl(out / "metrics.jsonl")
+    train = [r for r in rows if "pass_rate" not in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in rows if "pass_rate" in r] == [0, 3, 6]
+    k = scalerl.PRESETS["smoke"].get("max_lag", scalerl.Config().max_lag)
+    for r in train:
+        assert r["policy_version"] == r["step"] and 0 <= r["lag_mean"] <= r["lag_max"] <= k
+        assert r["gen_tok_s"] >= 0 and r["train_tokens"] >= 0 and r["gen_busy"] >= 0 and 0 <= r["train_busy"] <= 1
+    wall = sum(r["dt"] for r in train)  # the generator's decode time over the run: a share of the wall time
+    assert 0 < sum(r["gen_busy"] * r["dt"] for r in train) / wall <= 1.05 and sum(r["gen_tok_s"] for r in train) > 0
+    assert any(r["mixed_version_frac"] > 0 for r in train)  # weights landed mid-completion
+    assert any(r["lag_max"] >= 1 for r in train)  # and the trainer did use off-policy data
+    total = 0.0
+    for r in train:  # device-hours: wall time x 2 ranks
+        total += r["dt"] * 2 / 3600
+        assert r["device_hours"] == pytest.approx(total, rel=1e-9)
+    ck = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ck["step"] == 6 and ck["version"] == 6 and "model.embed_tokens.weight" in ck["model"]
+
+
+@pytest.mark.slow
+def test_three_ranks_two_fsdp_trainers(runs):
+    out = runs / "three"
+    p = subprocess.run(torchrun("--standalone", "--nproc_per_node=3", *SMOKE, f"--out_dir={out}", "--max_steps=3",
+                                "--gen_ranks=1", "--zero_var_filter=false"),  # every step trains
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "trainer ranks [0, 1] (FSDP2) | generator ranks [2]" in p.stdout
+    train = [r for r in read_jsonl(out / "metrics.jsonl") if "pass_rate" not in r]
+    assert [r["step"] for r in train] == [1, 2, 3] and all(r["train_tokens"] > 0 for r in train)
+    assert train[-1]["device_hours"] == pytest.approx(sum(r["dt"] for r in train) * 3 / 3600, rel=1e-9)
+    ck = torch.load(out / "ckpt.pt", weights_only=True)  # gathered from the shards: full tensors
+    cfg = scalerl.Config(**json.load(open(out / "config.json"))["config"])
+    full = scalerl.build_model(cfg, ck["model"]["model.embed_tokens.weight"].shape[0]).state_dict()
+    assert {k: v.shape for k, v in ck["model"].items()} == {k: v.shape for k, v in full.items()}
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 4 and 5. Two launches on one machine; a rank that dies or hangs ends the job with a message
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_pids(launchers):
+    """{global rank: pid} of the processes torchrun started (children of the launchers, RANK in their environment)."""
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if ppid in launchers:
+            rank = [e[5:] for e in env if e.startswith(b"RANK=")]
+            if rank:
+                out[int(rank[0])] = (int(pid), ppid)
+    return out
+
+
+def wait_for_steps(path, n, procs, timeout=180):
+    t = time.time()
+    while time.time() - t < timeout:
+        if os.path.exists(path) and sum("pass_rate" not in r for r in read_jsonl(path)) >= n:
+            return
+        assert all(p.poll() is None for p in procs), [p.communicate()[1][-3000:] for p in procs if p.poll()]
+        time.sleep(0.2)
+    raise AssertionError(f"no {n} steps in {timeout} s")
+
+
+def launch(args, log):
+    return subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.slow
+def test_two_nodes_train_together_then_a_killed_rank_ends_the_job(runs):
+    out, port = runs / "nodes", free_port()
+    procs = [launch(torchrun("--nnodes=2", f"--node_rank={i}", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                             f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=scalerl-test", *SMOKE,
+                             f"--out_dir={out}", "--max_steps=1000", "--eval_every=1000", "--dist_timeout=20"),
+                    runs / f"node{i}.log") for i in (0, 1)]
+    try:
+        wait_for_steps(out / "metrics.jsonl", 3, procs)  # trained together across the two launches
+        ranks = worker_pids({p.pid for p in procs})
+        assert set(ranks) == {0, 1} and ranks[0][1] != ranks[1][1]  # one rank per launch
+        os.kill(ranks[1][0], signal.SIGKILL)
+        t = time.time()
+        for p in procs:
+            p.wait(timeout=60)
+        elapsed = time.time() - t
+    finally:
+        for p in procs:
+            p.kill()
+    trainer_log = (runs / f"node{[p.pid for p in procs].index(ranks[0][1])}.log").read_text()
+    assert all(p.returncode != 0 for p in procs)
+    assert elapsed < 30, elapsed  # a closed connection is noticed at once, well inside --dist_timeout
+    line = [x for x in trainer_log.splitlines() if x.startswith("error: trainer rank 0")]
+    assert line and "generator rank" in line[0] and "1" in line[0], trainer_log[-3000:]
+
+
+@pytest.mark.slow
+def test_hung_generator_times_out_with_a_message(runs):
+    out = runs / "hang"
+    p = launch(torchrun("--standalone", "--nproc_per_node=2", *SMOKE, f"--out_dir={out}", "--max_steps=1000",
+                        "--eval_every=1000", "--dist_timeout=8"), runs / "hang.log")
+    stopped = None
+    try:
+        wait_for_steps(out / "metrics.jsonl", 2, [p])
+        stopped = worker_pids({p.pid})[1][0]
+        os.kill(stopped, signal.SIGSTOP)
+        t = time.time()
+        while "error: " not in (runs / "hang.log").read_text() and time.time() - t < 60:
+            time.sleep(0.2)
+        elapsed = time.time() - t
+        os.kill(stopped, signal.SIGCONT)  # a hung process, unlike a stopped one, takes torchrun's SIGTERM at once
+        p.wait(timeout=60)
+    finally:
+        p.kill()
+        if stopped:
+            try:
+                os.kill(stopped, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    log = (runs / "hang.log").read_text()
+    assert p.returncode != 0
+    assert elapsed < 8 + 10, elapsed  # --dist_timeout=8, plus a little
+    line = [x for x in log.splitlines() if x.startswith("error: trainer rank 0 gave up waiting")]
+    assert line and "generator rank" in line[0] and "1" in line[0], log[-3000:]
+
+
+if __name__ == "__main__":
+    fsdp_worker(sys.argv[1])
