@@ -602,10 +602,12 @@ class TrainerLink:
             self.pending = None
 
     def totals(self):
-        """Generation so far: tokens and decode seconds over all generator ranks, NPR removals, furthest epoch."""
+        """Generation so far: tokens and decode seconds over all generator ranks, NPR removals, furthest epoch, failed
+        rewards."""
         s = list(self.info.values())  # a copy: the receiver threads add to it
         return dict(tokens=counter(self.d, "gen_tokens"), busy=counter(self.d, "gen_us") / 1e6,
-                    npr_removed=sum(x["npr_removed"] for x in s), epoch=max((x["epoch"] for x in s), default=0))
+                    npr_removed=sum(x["npr_removed"] for x in s), epoch=max((x["epoch"] for x in s), default=0),
+                    reward_errors=sum(x.get("reward_errors", 0) for x in s))
 
     def close(self):
         """The end of the run: generators stop after the last broadcast; their receivers end with them."""

@@ -108,6 +108,7 @@ class Config:
     beta1: float = 0.9
     beta2: float = 0.99
     grad_clip: float = 1.0             # max gradient norm
+    max_nonfinite: int = 3             # stop, checkpointing the last good weights, after N non-finite steps in a row
     micro_batch_tokens: int = 8192     # trainer micro-batch size in tokens (gradients accumulate exactly)
     # torchrun (a plain `python scalerl.py` is one process doing everything)
     gen_ranks: int = 0                 # generator ranks (0: half the world, at least 1); the others train, FSDP2 if > 1
@@ -178,7 +179,7 @@ def validate(cfg):
             fail(f"--{k}={getattr(cfg, k)!r} is not one of: {', '.join(ok)}")
     for k in ("max_steps", "eval_every", "eval_prompts", "eval_samples", "ckpt_every", "n_layer", "n_embd", "n_head",
               "n_train", "sft_batch", "batch_prompts", "group_size", "think_min", "answer_budget", "slots",
-              "micro_batch_tokens"):
+              "micro_batch_tokens", "max_nonfinite"):
         if getattr(cfg, k) <= 0:
             fail(f"--{k} must be positive, got {getattr(cfg, k)}")
     for k in ("sft_steps", "warmup_steps", "decode_per_step", "threads", "gen_ranks"):
@@ -361,6 +362,7 @@ def warm_start(cfg, model, tok, out_root):
         opt.step()
         if it % 100 == 0 or it == cfg.sft_steps - 1:
             print(f"warm start {it:4d}/{cfg.sft_steps} | loss {loss.item():.3f} | {time.time() - t0:.0f}s")
+    model.zero_grad(set_to_none=True)  # else the last SFT gradient would leak into the first RL step's
     os.makedirs(os.path.dirname(path), exist_ok=True)
     torch.save(model.state_dict(), path + ".tmp")
     os.replace(path + ".tmp", path)
@@ -380,6 +382,19 @@ def git_hash():
 def atomic_save(obj, path):
     torch.save(obj, path + ".tmp")
     os.replace(path + ".tmp", path)  # the previous checkpoint stays valid until the new one is complete
+
+
+def load_checkpoint(path):
+    """A checkpoint's contents (plain tensors and containers only); a one-line exit if it is unreadable or foreign."""
+    try:
+        ck = torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001 -- truncated, garbage or unsafe pickles all mean: not usable
+        fail(f"checkpoint {path} is unreadable ({type(e).__name__}); restore a good copy or start a fresh --out_dir")
+    want = {"model", "opt", "pool", "step", "device_hours", "version", "stale", "rng", "torch_rng"}
+    if not isinstance(ck, dict) or not want <= set(ck):
+        fail(f"{path} is not a single-process scalerl checkpoint (missing "
+             f"{sorted(want - set(ck)) if isinstance(ck, dict) else 'everything'}); start a fresh --out_dir")
+    return ck
 
 
 def read_metrics(path, upto_step):
@@ -415,6 +430,7 @@ def main(cfg):
         fail(f"run directory {cfg.out_dir} already holds a run; pass --resume to continue it or pick another --out_dir")
     if cfg.resume and not os.path.exists(ckpt_path):
         fail(f"--resume: no checkpoint at {ckpt_path}; start a fresh run without --resume")
+    ck = load_checkpoint(ckpt_path) if cfg.resume else None
     try:
         d = pipeline_rl.dist_init(cfg.gen_ranks, cfg.dist_timeout)  # world 1: this process does everything
     except ValueError as e:
@@ -449,7 +465,11 @@ def main(cfg):
         pipeline_rl.broadcast_from_rank0(d, model)  # every rank starts from rank 0's warm start
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        tok, model = AutoTokenizer.from_pretrained(cfg.model), AutoModelForCausalLM.from_pretrained(cfg.model)
+        try:
+            tok, model = AutoTokenizer.from_pretrained(cfg.model), AutoModelForCausalLM.from_pretrained(cfg.model)
+        except (OSError, ValueError) as e:  # a hub name offline or unknown, or a path without a model
+            fail(f"cannot load --model={cfg.model}: {pipeline_rl.first_line(e)}; pass a local path, or go online "
+                 "once so the hub copy is cached")
     body_dtype = getattr(torch, cfg.dtype)
     head_dtype = torch.float32 if cfg.fp32_head else body_dtype
     n_params = sum(p.numel() for p in model.parameters())
@@ -470,16 +490,30 @@ def main(cfg):
         p = pool.next()
         return pipeline_rl.Sample(p.id, gid, encode(tok, data.format_prompt(p.question, tok)), meta=p)
 
+    reward_errors = [0]
+
+    def safe_reward(s):
+        """The reward of one completion; a verifier that raises costs that completion only: -1, counted, logged."""
+        text = tok.decode(s.tokens, skip_special_tokens=True)
+        try:
+            return data.reward(s.meta, text)
+        except Exception as e:  # noqa: BLE001 -- one bad item or verifier bug must not end a long run
+            reward_errors[0] += 1
+            print(f"warning: reward failed on prompt {s.prompt_id} (completion {text[:40]!r}): "
+                  f"{type(e).__name__}: {pipeline_rl.first_line(e)}; counted as -1", flush=True)
+            return -1.0
+
     def score(g):
         """Reward each completion and record the group in the curriculum; True if the group is kept for the loss."""
         for s in g:
-            s.reward = data.reward(s.meta, tok.decode(s.tokens, skip_special_tokens=True))
+            s.reward = safe_reward(s)
         return pool.record(g[0].prompt_id, [s.reward for s in g])
 
     if generator:  # a generator rank's whole job
         pipeline_rl.run_generator(d, engine, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
                                   group_size=cfg.group_size, new_prompt=new_prompt, score=score,
-                                  info=lambda: dict(npr_removed=pool.npr_removed, epoch=pool.epoch))
+                                  info=lambda: dict(npr_removed=pool.npr_removed, epoch=pool.epoch,
+                                                  reward_errors=reward_errors[0]))
         pipeline_rl.dist_cleanup(d)
         return
 
@@ -500,11 +534,17 @@ def main(cfg):
     step, device_hours = 0, 0.0
     B, G = cfg.batch_prompts, cfg.group_size
     if cfg.resume:
-        ck = torch.load(ckpt_path, weights_only=True)
-        model.load_state_dict(ck["model"]), opt.load_state_dict(ck["opt"]), pool.load_state_dict(ck["pool"])
+        try:
+            model.load_state_dict(ck["model"]), opt.load_state_dict(ck["opt"]), pool.load_state_dict(ck["pool"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            fail(f"checkpoint {ckpt_path} does not fit this run ({' '.join(str(e).split())[:240]}); resume with the "
+                 "options it was written with (config.json) or start a fresh --out_dir")
         step, device_hours, sched.version, sched.dropped_stale = ck["step"], ck["device_hours"], ck["version"], ck["stale"]
         sched.admitted = sched.version * B + sched.dropped_stale  # in-flight groups at the crash are regenerated
         engine.rng.set_state(ck["rng"]), torch.set_rng_state(ck["torch_rng"])
+        if "budget_rng" in ck:
+            engine.budget_rng.setstate(ck["budget_rng"])
+        reward_errors[0] = ck.get("reward_errors", 0)
         engine.load_weights(model, sched.version)
         print(f"resumed {cfg.out_dir} at step {step} (in-flight completions are regenerated)")
     if d.rank == 0:
@@ -540,8 +580,7 @@ def main(cfg):
         templates = [pipeline_rl.Sample(p.id, -1 - i, encode(tok, data.format_prompt(p.question, tok)), meta=p)
                      for i, p in enumerate(val)]
         groups = eval_engine.generate(templates, cfg.eval_samples)
-        return float(np.mean([data.reward(s.meta, tok.decode(s.tokens, skip_special_tokens=True)) > 0
-                              for g in groups for s in g]))
+        return float(np.mean([safe_reward(s) > 0 for g in groups for s in g]))
 
     def train_step(groups):
         """One optimizer step on the kept groups (this trainer rank's share of them; gradients summed by FSDP2)."""
@@ -549,43 +588,46 @@ def main(cfg):
         for g in opt.param_groups:
             g["lr"] = lr
         if not groups:  # every group was zero-variance: no signal, no update
-            return 0.0, dict(clip_frac=0.0, ratio_mean=1.0, ratio_max=1.0, mismatch_kl=0.0), 0
+            return 0.0, dict(clip_frac=0.0, ratio_mean=1.0, ratio_max=1.0, mismatch_kl=0.0), 0, True
         with pipeline_rl.waiting_for(d, f"gradients of trainer ranks {d.trainers}") if n_trainers > 1 else \
                 contextlib.nullcontext():
             loss, sums, ratio_max = policy_gradient(policy, groups, cfg, tok.pad_token_id, trainer_rank, n_trainers)
             gnorm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
             gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm  # FSDP2: a DTensor
         sums, maxes = pipeline_rl.reduce_metrics(d, dict(sums, loss=loss), dict(ratio_max=ratio_max))
-        if math.isfinite(gnorm):
+        finite = math.isfinite(gnorm) and math.isfinite(sums["loss"])  # the same on every trainer rank
+        if finite:  # a NaN/inf step is skipped: one bad batch must not poison the weights and Adam's moments
             opt.step()
         opt.zero_grad(set_to_none=True)
         n = sums["n_tokens"] or 1
         avg = {k: sums[k] / n for k in ("clip_frac", "ratio_mean", "mismatch_kl")}
         avg["ratio_max"] = maxes["ratio_max"]
-        return sums["loss"], avg, int(sums["n_tokens"])
+        return sums["loss"], avg, int(sums["n_tokens"]), finite
 
     def gen_totals(t_gen):
         """Generation so far: tokens, decode seconds, NPR removals, epoch; under torchrun summed over the generator
         ranks. In one process generation and training alternate: the decode seconds are the step's t_gen."""
         if d.world > 1:
             return sched.totals()
-        return dict(tokens=engine.stats["tokens"], busy=t_gen, npr_removed=pool.npr_removed, epoch=pool.epoch)
+        return dict(tokens=engine.stats["tokens"], busy=t_gen, npr_removed=pool.npr_removed, epoch=pool.epoch,
+                    reward_errors=reward_errors[0])
 
     def checkpoint(weights):
         ck = dict(model=weights, step=step, device_hours=device_hours, version=sched.version, stale=sched.dropped_stale)
         if d.world == 1:  # under torchrun, optimizer shards and curricula live on many ranks: weights only
             ck.update(opt=opt.state_dict(), pool=pool.state_dict(), rng=engine.rng.get_state(),
-                      torch_rng=torch.get_rng_state())
+                      torch_rng=torch.get_rng_state(), reward_errors=reward_errors[0],
+                      budget_rng=engine.budget_rng.getstate())
         atomic_save(ck, ckpt_path)
 
     # -- the loop -------------------------------------------------------------------------------------------------
     weights = pipeline_rl.full_state_dict(model)  # full weights (FSDP2: gathered on every trainer rank)
-    if step == 0 and d.rank == 0:
+    if step == 0 and d.rank == 0 and not cfg.resume:  # a resume at step 0 already logged this eval
         pr = evaluate(weights)
         write(dict(step=0, device_hours=0.0, pass_rate=pr, eval=True))
         print(f"step    0 | held-out pass rate {pr:.3f} (before RL: R0)")
         checkpoint(weights)  # a run killed before its first periodic checkpoint can still --resume
-    t_loop, steps_done = time.time(), 0
+    t_loop, steps_done, skipped = time.time(), 0, 0  # skipped: non-finite steps in a row
     eval_time = 0.0
     while step < cfg.max_steps:
         t0 = time.time()
@@ -600,7 +642,8 @@ def main(cfg):
             trunc += [s.interrupted or s.truncated for s in g]
         lag_mean, lag_max = sched.lag(batch)
         t1 = time.time()
-        loss, diag, n_tok = train_step(pipeline_rl.share(d, kept))
+        loss, diag, n_tok, finite = train_step(pipeline_rl.share(d, kept))
+        skipped = 0 if finite else skipped + 1
         t_train = time.time() - t1
         weights = pipeline_rl.full_state_dict(model)
         sched.push_weights(weights)
@@ -608,6 +651,8 @@ def main(cfg):
         dt = time.time() - t0
         device_hours += dt * d.world / 3600  # the compute axis counts every device
         if d.rank != 0:
+            if skipped >= cfg.max_nonfinite:
+                break
             continue
         gen = gen_totals(t_gen)
         gen_s = gen["busy"] - gen0["busy"]  # decode seconds during the step (all generator ranks)
@@ -619,7 +664,8 @@ def main(cfg):
                    zero_var_frac=1 - len(kept) / len(batch), npr_removed=gen["npr_removed"], epoch=gen["epoch"],
                    gen_tok_s=(gen["tokens"] - gen0["tokens"]) / max(gen_s, 1e-9), gen_busy=gen_s / (dt * n_gen),
                    train_tok_s=n_tok / max(t_train, 1e-9), train_busy=t_train / dt, train_tokens=n_tok,
-                   lr=opt.param_groups[0]["lr"], dt=dt)
+                   lr=opt.param_groups[0]["lr"], dt=dt, skipped_nonfinite=int(not finite),
+                   reward_errors=gen["reward_errors"])
         write(row)
         steps_done += 1
         eta = (time.time() - t_loop - eval_time) / steps_done * (cfg.max_steps - step)
@@ -627,6 +673,8 @@ def main(cfg):
                 f"{row['clip_frac']:.3f} | kl {row['mismatch_kl']:+.1e} | lag {lag_mean:.1f}/{lag_max} | trunc "
                 f"{row['trunc_rate']:.2f} | zv {row['zero_var_frac']:.2f} | gen {row['gen_tok_s']:.0f} tok/s | train "
                 f"{row['train_tok_s']:.0f} tok/s | {dt:.2f}s | eta {eta / 60:.1f}m")
+        if not finite:
+            line += f" | non-finite loss or gradients: step skipped ({skipped} in a row)"
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             te = time.time()
             pr = evaluate(weights)
@@ -634,14 +682,19 @@ def main(cfg):
             write(dict(step=step, device_hours=device_hours, pass_rate=pr, eval=True))
             line += f" | held-out pass rate {pr:.3f}"
         print(line, flush=True)
-        if step % cfg.ckpt_every == 0 or step == cfg.max_steps:
-            checkpoint(weights)
+        if step % cfg.ckpt_every == 0 or step == cfg.max_steps or skipped >= cfg.max_nonfinite:
+            checkpoint(weights)  # after skipped steps the weights are still the last good ones
+        if skipped >= cfg.max_nonfinite:
+            break
     if d.world > 1:
         sched.close()
     pipeline_rl.dist_cleanup(d)
     if d.rank != 0:
         return
     log.close()
+    if skipped >= cfg.max_nonfinite:
+        fail(f"{skipped} steps in a row had non-finite loss or gradients; the last good weights are checkpointed at "
+             f"step {step} in {cfg.out_dir}; lower --lr or check the data, then --resume")
 
     # -- the curve ----------------------------------------------------------------------------------------------------
     print(f"done in {(time.time() - t_start) / 60:.1f} min; run directory {cfg.out_dir}")

@@ -69,6 +69,10 @@ BAD = [  # (argv, text the single error line must contain)
     (["--max_steps"], "--max_steps"),  # value missing at the end
     (["--config"], "--config"),
     (["max_steps=5"], "max_steps=5"),  # a stray word, not an option
+    (["--max_nonfinite=0"], "--max_nonfinite"),
+    (["--ckpt_every=0"], "--ckpt_every"),
+    (["--eval_samples=-1"], "--eval_samples"),
+    (["--dist_timeout=0"], "--dist_timeout"),
 ]
 
 

@@ -1,0 +1,310 @@
+"""Reliability: faults inside a run, bad invocations against an existing run, and real kills with --resume.
+
+1. Non-finite loss or gradients (injected by wrapping `scalerl.policy_gradient`): the optimizer step is skipped and
+   logged; after --max_nonfinite in a row the run exits with one line and a checkpoint of the last good weights.
+2. A reward verifier that raises (a monkeypatched `data.reward`) costs only that completion: reward -1, counted in
+   `reward_errors`, one warning line naming the prompt; the run finishes.
+3. A table of bad invocations run as real subprocesses against an existing run directory: each exits non-zero
+   with one `error:` line and leaves every file of that directory byte-for-byte unchanged.
+4. Real kills: SIGKILL the real command at seeded random points, --resume until it finishes; the log holds every
+   step exactly once, and the rows written before the first kill agree with an uninterrupted run.
+
+Runs 1-2 call scalerl.main in-process on the smoke preset; all runs share one base directory, so the supervised
+warm start is computed once. Run: python -m pytest tests/test_reliability.py (about a minute on two CPU cores).
+"""
+from concurrent.futures import ThreadPoolExecutor
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import data
+import scalerl
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+TIMING = {"dt", "device_hours", "gen_tok_s", "train_tok_s", "gen_busy", "train_busy"}  # wall-clock fields
+
+
+def command(out, *args):
+    return [sys.executable, os.path.join(ROOT, "scalerl.py"), "--config", "smoke", "--threads=1", f"--out_dir={out}",
+            *args]
+
+
+def rows_of(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def tree_hashes(d):
+    out = {}
+    for root, _, files in os.walk(d):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                out[os.path.relpath(os.path.join(root, name), d)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return tmp_path_factory.mktemp("reliability")
+
+
+def main_smoke(out, *args):
+    scalerl.main(scalerl.parse_args(["--config", "smoke", "--threads=1", f"--out_dir={out}", *args]))
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 1. Non-finite loss or gradients
+
+
+def poison(monkeypatch, steps, what):
+    """Wrap policy_gradient so that the call for each optimizer step in `steps` returns a NaN loss ("loss") or leaves
+    an inf in one gradient ("grad"). Returns the list of model weights seen at the start of each call."""
+    real, seen = scalerl.policy_gradient, []
+
+    def wrapped(policy, groups, *a, **kw):
+        seen.append({k: v.detach().clone() for k, v in policy.lm.state_dict().items()})
+        loss, sums, ratio_max = real(policy, groups, *a, **kw)
+        if len(seen) in steps:
+            if what == "loss":
+                loss = float("nan")
+            else:
+                next(p for p in policy.parameters() if p.grad is not None).grad.view(-1)[0] = float("inf")
+        return loss, sums, ratio_max
+    monkeypatch.setattr(scalerl, "policy_gradient", wrapped)
+    return seen
+
+
+def test_nonfinite_loss_step_is_skipped(base, monkeypatch, capsys):
+    out = base / "nan_once"
+    seen = poison(monkeypatch, {2}, "loss")  # zero-variance filter off: every step calls policy_gradient
+    main_smoke(out, "--zero_var_filter=false")
+    assert len(seen) == 4
+    train = [r for r in rows_of(out / "metrics.jsonl") if "pass_rate" not in r]
+    assert [r["skipped_nonfinite"] for r in train] == [0, 1, 0, 0]
+    assert "step skipped (1 in a row)" in capsys.readouterr().out
+    # the skipped step left the weights as they were: what step 3 started from is what step 2 started from
+    assert all(torch.equal(seen[1][k], seen[2][k]) for k in seen[1])
+    assert not all(torch.equal(seen[0][k], seen[1][k]) for k in seen[0])  # while a normal step changes them
+    ck = torch.load(out / "ckpt.pt", weights_only=True)
+    assert {float(s["step"]) for s in ck["opt"]["state"].values()} == {3.0}  # Adam took 3 of the 4 steps
+
+
+def test_nonfinite_in_a_row_stops_with_last_good_checkpoint(base, monkeypatch, capsys):
+    out = base / "nan_stop"
+    seen = poison(monkeypatch, {2, 3, 4, 5}, "grad")
+    with pytest.raises(SystemExit) as e:
+        main_smoke(out, "--zero_var_filter=false", "--max_steps=6", "--max_nonfinite=2")
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: 2 steps in a row had non-finite") and "--resume" in err[0]
+    assert len(seen) == 3  # steps 1 (good), 2 and 3 (skipped), then the stop
+    train = [r for r in rows_of(out / "metrics.jsonl") if "pass_rate" not in r]
+    assert [(r["step"], r["skipped_nonfinite"]) for r in train] == [(1, 0), (2, 1), (3, 1)]
+    ck = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ck["step"] == 3
+    assert all(torch.equal(ck["model"][k], seen[1][k]) for k in seen[1])  # the weights after step 1, the last good
+    assert all(torch.isfinite(v).all() for v in ck["model"].values())
+    # and the run continues from there once the fault is gone
+    monkeypatch.undo()
+    main_smoke(out, "--zero_var_filter=false", "--max_steps=4", "--resume")
+    train = [r for r in rows_of(out / "metrics.jsonl") if "pass_rate" not in r]
+    assert [(r["step"], r["skipped_nonfinite"]) for r in train] == [(1, 0), (2, 1), (3, 1), (4, 0)]
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 2. A failing reward
+
+
+def test_reward_errors_are_counted_not_fatal(base, monkeypatch, capsys):
+    out = base / "bad_reward"
+    real_reward, real_record, raised, recorded = data.reward, data.PromptPool.record, [], []
+
+    def flaky(problem, completion, **kw):
+        if problem.id % 3 == 0:
+            raised.append(problem.id)
+            raise ZeroDivisionError("verifier bug")
+        return real_reward(problem, completion, **kw)
+
+    def record(pool, prompt_id, rewards):
+        recorded.append((prompt_id, list(rewards)))
+        return real_record(pool, prompt_id, rewards)
+    monkeypatch.setattr(data, "reward", flaky)
+    monkeypatch.setattr(data.PromptPool, "record", record)
+    main_smoke(out)
+    rows = rows_of(out / "metrics.jsonl")
+    assert [r["step"] for r in rows if "pass_rate" not in r] == [1, 2, 3, 4]  # the run finished
+    assert raised, "no item hit the fault: pick another id rule"
+    warnings = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("warning: reward failed")]
+    assert len(warnings) == len(raised)  # each failure logged once, naming its prompt
+    assert sorted(int(re.search(r"on prompt (\d+)", w).group(1)) for w in warnings) == sorted(raised)
+    assert all("ZeroDivisionError: verifier bug" in w and "counted as -1" in w for w in warnings)
+    assert all(rw == [-1.0] * len(rw) for pid, rw in recorded if pid % 3 == 0)  # failures scored -1
+    assert any(pid % 3 for pid, _ in recorded)
+    counts = [r["reward_errors"] for r in rows if "pass_rate" not in r]
+    assert counts == sorted(counts) and counts[-1] > 0  # cumulative
+    assert torch.load(out / "ckpt.pt", weights_only=True)["reward_errors"] == len(raised)  # eval failures included
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 3. Bad invocations against an existing run directory
+
+BAD_RUNS = [  # (name, run dir to use, extra argv, text the error line must contain)
+    ("unknown preset", "run", ["--config=nope"], "unknown preset"),
+    ("unknown key", "run", ["--max_step=5"], "did you mean --max_steps"),
+    ("wrong type", "run", ["--max_steps=abc"], "not a valid int"),
+    ("float for int", "run", ["--batch_prompts=2.5"], "--batch_prompts"),
+    ("zero batch", "run", ["--batch_prompts=0"], "must be positive"),
+    ("zero group", "run", ["--group_size=0"], "--group_size"),
+    ("zero slots", "run", ["--slots=0"], "--slots"),
+    ("negative k", "run", ["--max_lag=-1"], "--max_lag"),
+    ("ppo with k=0", "run", ["--off_policy=ppo", "--max_lag=0"], "--max_lag=0 is invalid for --off_policy=ppo"),
+    ("think range", "run", ["--think_min=50", "--think_max=40"], "--think_max"),
+    ("heads", "run", ["--n_embd=130", "--n_head=4"], "divisible"),
+    ("nan lr", "run", ["--lr=nan"], "--lr"),
+    ("zero max_nonfinite", "run", ["--max_nonfinite=0"], "--max_nonfinite"),
+    ("stray word", "run", ["resume"], "unexpected argument"),
+    ("existing dir without --resume", "run", [], "pass --resume"),
+    ("missing dataset", "run", ["--resume", "--task=/nonexistent/prompts.jsonl"], "does not exist"),
+    ("hub name offline", "run", ["--resume", "--model=no-such-org/no-such-model"], "cannot load --model"),
+    ("model shape differs", "run", ["--resume", "--n_embd=64", "--sft_steps=0"], "does not fit this run"),
+    ("no checkpoint", "no_ckpt", ["--resume"], "no checkpoint"),
+    ("corrupt checkpoint", "garbage", ["--resume"], "unreadable"),
+    ("truncated checkpoint", "truncated", ["--resume"], "unreadable"),
+    ("foreign checkpoint", "foreign", ["--resume"], "not a single-process scalerl checkpoint"),
+    ("checkpoint needing unsafe unpickling", "unsafe", ["--resume"], "unreadable"),
+    ("missing dataset, fresh dir", "fresh", ["--task=/nonexistent/prompts.jsonl"], "does not exist"),
+    ("hub name offline, fresh dir", "fresh", ["--model=no-such-org/no-such-model"], "cannot load --model"),
+]
+
+
+class Unsafe:  # an arbitrary class: torch.load(weights_only=True) must refuse to build it
+    pass
+
+
+@pytest.fixture(scope="module")
+def bad_runs(base):
+    """An existing 2-step run and damaged copies of it; every bad invocation run against them, three at a time."""
+    run = base / "existing"
+    p = subprocess.run(command(run, "--max_steps=2"), env=ENV, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    dirs = {"run": run}
+    for name in ("no_ckpt", "garbage", "truncated", "foreign", "unsafe"):
+        dirs[name] = base / f"existing_{name}"
+        shutil.copytree(run, dirs[name])
+    ck = dirs["no_ckpt"] / "ckpt.pt"
+    os.remove(ck)
+    (dirs["garbage"] / "ckpt.pt").write_bytes(random.Random(0).randbytes(4096))
+    blob = (run / "ckpt.pt").read_bytes()
+    (dirs["truncated"] / "ckpt.pt").write_bytes(blob[:len(blob) // 2])
+    torch.save({"model": torch.zeros(3), "step": 5}, dirs["foreign"] / "ckpt.pt")
+    torch.save({"model": Unsafe()}, dirs["unsafe"] / "ckpt.pt")
+    before = {k: tree_hashes(v) for k, v in dirs.items()}
+
+    def one(case):
+        name, where, argv, _ = case
+        out = base / f"fresh_{BAD_RUNS.index(case)}" if where == "fresh" else dirs[where]
+        p = subprocess.run(command(out, *argv), env=ENV, capture_output=True, text=True, timeout=300)
+        return name, (p, out)
+    with ThreadPoolExecutor(3) as pool:
+        results = dict(pool.map(one, BAD_RUNS))
+    return results, dirs, before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", BAD_RUNS, ids=[c[0] for c in BAD_RUNS])
+def test_bad_invocation_one_line_dir_untouched(bad_runs, case):
+    results, dirs, before = bad_runs
+    name, where, _, needle = case
+    p, out = results[name]
+    assert p.returncode != 0, p.stdout[-2000:]
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr[-3000:]
+    assert needle in lines[0], lines[0]
+    if where == "fresh":
+        assert not os.path.exists(out)  # nothing created
+    else:
+        assert tree_hashes(dirs[where]) == before[where]
+
+
+def test_bad_table_covers_twenty_distinct_invocations():
+    assert len({(w, tuple(a)) for _, w, a, _ in BAD_RUNS}) >= 20
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 4. Real kills and --resume
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [0, 2])
+def test_sigkill_and_resume_until_done(base, k):
+    """k=0: nothing is in flight at a checkpoint, so a resumed run must equal the uninterrupted one exactly. k=2:
+    groups in flight at the checkpoint are regenerated after a resume from new prompts and sampling positions."""
+    args = ("--max_steps=12", "--ckpt_every=2", "--zero_var_filter=false", f"--max_lag={k}")
+    ref, out = base / f"uninterrupted_k{k}", base / f"killed_k{k}"
+    p = subprocess.run(command(ref, *args), env=ENV, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rng, kills, first_ck_step, attempts = random.Random(9 + k), 0, None, 0
+    while True:
+        attempts += 1
+        assert attempts <= 8, "the run never finished"
+        resume = ("--resume",) if os.path.exists(out / "ckpt.pt") else ()
+        proc = subprocess.Popen(command(out, *args, *resume), env=ENV, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        if kills < 3:  # once the run is under way with a checkpoint, kill it at a random moment of the next steps
+            log = out / "metrics.jsonl"
+            stamp = os.stat(log).st_ino if resume else None  # a resume rewrites the log (a new file) before its steps
+            t_end = time.time() + 120
+            while proc.poll() is None and time.time() < t_end:
+                if os.path.exists(out / "ckpt.pt") and os.path.exists(log) and os.stat(log).st_ino != stamp:
+                    break
+                time.sleep(0.05)
+            time.sleep(rng.uniform(0.0, 2.5))
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                kills += 1
+        _, err = proc.communicate(timeout=600)
+        if first_ck_step is None:
+            first_ck_step = torch.load(out / "ckpt.pt", weights_only=True)["step"]
+            first_rows = [r for r in rows_of_tolerant(out / "metrics.jsonl") if r["step"] <= first_ck_step]
+        if proc.returncode == 0:
+            break
+        assert proc.returncode == -signal.SIGKILL, err[-3000:]
+    assert kills >= 2
+    rows = rows_of(out / "metrics.jsonl")  # no torn line left behind
+    train = [r["step"] for r in rows if "pass_rate" not in r]
+    evals = [r["step"] for r in rows if "pass_rate" in r]
+    assert train == list(range(1, 13))  # every step exactly once, in order
+    assert evals == [0, 2, 4, 6, 8, 10, 12]
+    assert [r["policy_version"] for r in rows if "pass_rate" not in r] == train
+    hours = [r["device_hours"] for r in rows]
+    assert hours == sorted(hours)
+    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 12
+    # the computation is deterministic up to the first checkpoint: those rows match the uninterrupted run's exactly
+    ref_rows = rows_of(ref / "metrics.jsonl")
+    strip = lambda rs: [{k: v for k, v in r.items() if k not in TIMING} for r in rs]  # noqa: E731
+    assert strip(first_rows) == strip(ref_rows[:len(first_rows)])
+    # after a resume, in-flight completions are regenerated from another sampling position: measure how close
+    a = {(r["step"], "eval" in r): r for r in strip(rows)}
+    b = {(r["step"], "eval" in r): r for r in strip(ref_rows)}
+    same = [s for s in range(1, 13) if a[s, False] == b[s, False]]
+    w, w_ref = (torch.load(d / "ckpt.pt", weights_only=True)["model"] for d in (out, ref))
+    gap = max(((w[k] - w_ref[k]).abs().max() / w_ref[k].abs().max()).item() for k in w)
+    print(f"\nkills {kills}, first checkpoint at step {first_ck_step}; training rows identical to the uninterrupted "
+          f"run at steps {same}; final weights: largest difference {gap:.2e} of the tensor's largest entry")
+    assert set(range(1, first_ck_step + 1)) <= set(same)
+    if k == 0:
+        assert same == list(range(1, 13)) and gap == 0.0
+        assert [r for r in strip(rows) if "eval" in r] == [r for r in strip(ref_rows) if "eval" in r]
+
+
+def rows_of_tolerant(path):
+    """Rows of a log a kill may have torn mid-line (the torn last line is left out, as resume does)."""
+    return scalerl.read_metrics(str(path), 10 ** 9)
