@@ -13,8 +13,6 @@ Runs 1-2 call scalerl.main in-process on the smoke preset; all runs share one ba
 warm start is computed once. Run: python -m pytest tests/test_reliability.py (about a minute on two CPU cores).
 """
 from concurrent.futures import ThreadPoolExecutor
-import hashlib
-import json
 import os
 import random
 import re
@@ -32,26 +30,14 @@ import scalerl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+from test_scalerl import read_jsonl, tree_hashes  # noqa: E402 -- shared helpers of the command tests
+
 TIMING = {"dt", "device_hours", "gen_tok_s", "train_tok_s", "gen_busy", "train_busy"}  # wall-clock fields
 
 
 def command(out, *args):
     return [sys.executable, os.path.join(ROOT, "scalerl.py"), "--config", "smoke", "--threads=1", f"--out_dir={out}",
             *args]
-
-
-def rows_of(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f]
-
-
-def tree_hashes(d):
-    out = {}
-    for root, _, files in os.walk(d):
-        for name in files:
-            with open(os.path.join(root, name), "rb") as f:
-                out[os.path.relpath(os.path.join(root, name), d)] = hashlib.sha256(f.read()).hexdigest()
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +75,7 @@ def test_nonfinite_loss_step_is_skipped(base, monkeypatch, capsys):
     seen = poison(monkeypatch, {2}, "loss")  # zero-variance filter off: every step calls policy_gradient
     main_smoke(out, "--zero_var_filter=false")
     assert len(seen) == 4
-    train = [r for r in rows_of(out / "metrics.jsonl") if "pass_rate" not in r]
+    train = [r for r in read_jsonl(out / "metrics.jsonl") if "pass_rate" not in r]
     assert [r["skipped_nonfinite"] for r in train] == [0, 1, 0, 0]
     assert "step skipped (1 in a row)" in capsys.readouterr().out
     # the skipped step left the weights as they were: what step 3 started from is what step 2 started from
@@ -108,7 +94,7 @@ def test_nonfinite_in_a_row_stops_with_last_good_checkpoint(base, monkeypatch, c
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: 2 steps in a row had non-finite") and "--resume" in err[0]
     assert len(seen) == 3  # steps 1 (good), 2 and 3 (skipped), then the stop
-    train = [r for r in rows_of(out / "metrics.jsonl") if "pass_rate" not in r]
+    train = [r for r in read_jsonl(out / "metrics.jsonl") if "pass_rate" not in r]
     assert [(r["step"], r["skipped_nonfinite"]) for r in train] == [(1, 0), (2, 1), (3, 1)]
     ck = torch.load(out / "ckpt.pt", weights_only=True)
     assert ck["step"] == 3
@@ -117,7 +103,7 @@ def test_nonfinite_in_a_row_stops_with_last_good_checkpoint(base, monkeypatch, c
     # and the run continues from there once the fault is gone
     monkeypatch.undo()
     main_smoke(out, "--zero_var_filter=false", "--max_steps=4", "--resume")
-    train = [r for r in rows_of(out / "metrics.jsonl") if "pass_rate" not in r]
+    train = [r for r in read_jsonl(out / "metrics.jsonl") if "pass_rate" not in r]
     assert [(r["step"], r["skipped_nonfinite"]) for r in train] == [(1, 0), (2, 1), (3, 1), (4, 0)]
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -140,7 +126,7 @@ def test_reward_errors_are_counted_not_fatal(base, monkeypatch, capsys):
     monkeypatch.setattr(data, "reward", flaky)
     monkeypatch.setattr(data.PromptPool, "record", record)
     main_smoke(out)
-    rows = rows_of(out / "metrics.jsonl")
+    rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows if "pass_rate" not in r] == [1, 2, 3, 4]  # the run finished
     assert raised, "no item hit the fault: pick another id rule"
     warnings = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("warning: reward failed")]
@@ -278,7 +264,7 @@ def test_sigkill_and_resume_until_done(base, k):
             break
         assert proc.returncode == -signal.SIGKILL, err[-3000:]
     assert kills >= 2
-    rows = rows_of(out / "metrics.jsonl")  # no torn line left behind
+    rows = read_jsonl(out / "metrics.jsonl")  # no torn line left behind
     train = [r["step"] for r in rows if "pass_rate" not in r]
     evals = [r["step"] for r in rows if "pass_rate" in r]
     assert train == list(range(1, 13))  # every step exactly once, in order
@@ -288,7 +274,7 @@ def test_sigkill_and_resume_until_done(base, k):
     assert hours == sorted(hours)
     assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 12
     # the computation is deterministic up to the first checkpoint: those rows match the uninterrupted run's exactly
-    ref_rows = rows_of(ref / "metrics.jsonl")
+    ref_rows = read_jsonl(ref / "metrics.jsonl")
     strip = lambda rs: [{k: v for k, v in r.items() if k not in TIMING} for r in rs]  # noqa: E731
     assert strip(first_rows) == strip(ref_rows[:len(first_rows)])
     # after a resume, in-flight completions are regenerated from another sampling position: measure how close
