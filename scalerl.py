@@ -531,7 +531,7 @@ def main(cfg):
     # fp32 master weights; the body autocasts when dtype is lower
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
                             weight_decay=cfg.weight_decay)
-    step, device_hours = 0, 0.0
+    step, device_hours, cpu_hours = 0, 0.0, 0.0
     B, G = cfg.batch_prompts, cfg.group_size
     if cfg.resume:
         try:
@@ -540,6 +540,7 @@ def main(cfg):
             fail(f"checkpoint {ckpt_path} does not fit this run ({' '.join(str(e).split())[:240]}); resume with the "
                  "options it was written with (config.json) or start a fresh --out_dir")
         step, device_hours, sched.version, sched.dropped_stale = ck["step"], ck["device_hours"], ck["version"], ck["stale"]
+        cpu_hours = ck.get("cpu_hours", 0.0)
         sched.admitted = sched.version * B + sched.dropped_stale  # in-flight groups at the crash are regenerated
         engine.rng.set_state(ck["rng"]), torch.set_rng_state(ck["torch_rng"])
         if "budget_rng" in ck:
@@ -613,7 +614,8 @@ def main(cfg):
                     reward_errors=reward_errors[0])
 
     def checkpoint(weights):
-        ck = dict(model=weights, step=step, device_hours=device_hours, version=sched.version, stale=sched.dropped_stale)
+        ck = dict(model=weights, step=step, device_hours=device_hours, cpu_hours=cpu_hours, version=sched.version,
+                  stale=sched.dropped_stale)
         if d.world == 1:  # under torchrun, optimizer shards and curricula live on many ranks: weights only
             ck.update(opt=opt.state_dict(), pool=pool.state_dict(), rng=engine.rng.get_state(),
                       torch_rng=torch.get_rng_state(), reward_errors=reward_errors[0],
@@ -624,13 +626,13 @@ def main(cfg):
     weights = pipeline_rl.full_state_dict(model)  # full weights (FSDP2: gathered on every trainer rank)
     if step == 0 and d.rank == 0 and not cfg.resume:  # a resume at step 0 already logged this eval
         pr = evaluate(weights)
-        write(dict(step=0, device_hours=0.0, pass_rate=pr, eval=True))
+        write(dict(step=0, device_hours=0.0, cpu_hours=0.0, pass_rate=pr, eval=True))
         print(f"step    0 | held-out pass rate {pr:.3f} (before RL: R0)")
         checkpoint(weights)  # a run killed before its first periodic checkpoint can still --resume
     t_loop, steps_done, skipped = time.time(), 0, 0  # skipped: non-finite steps in a row
     eval_time = 0.0
     while step < cfg.max_steps:
-        t0 = time.time()
+        t0, c0 = time.time(), time.process_time()
         gen0 = gen_totals(0.0)
         batch = sched.next_batch()  # under torchrun: trainer rank 0's; the other trainer ranks get theirs below
         t_gen = time.time() - t0
@@ -650,13 +652,15 @@ def main(cfg):
         step += 1
         dt = time.time() - t0
         device_hours += dt * d.world / 3600  # the compute axis counts every device
+        cpu_hours += (time.process_time() - c0) / 3600  # this process's CPU time: immune to a busy shared machine
         if d.rank != 0:
             if skipped >= cfg.max_nonfinite:
                 break
             continue
         gen = gen_totals(t_gen)
         gen_s = gen["busy"] - gen0["busy"]  # decode seconds during the step (all generator ranks)
-        row = dict(step=step, device_hours=device_hours, policy_version=sched.version, reward=float(np.mean(rewards)),
+        row = dict(step=step, device_hours=device_hours, cpu_hours=cpu_hours, policy_version=sched.version,
+                   reward=float(np.mean(rewards)),
                    loss=loss, clip_frac=diag["clip_frac"], ratio_mean=diag["ratio_mean"], ratio_max=diag["ratio_max"],
                    mismatch_kl=diag["mismatch_kl"], lag_mean=lag_mean, lag_max=lag_max,
                    mixed_version_frac=float(np.mean([len(set(s.versions)) > 1 for g in batch for s in g])),
@@ -679,7 +683,7 @@ def main(cfg):
             te = time.time()
             pr = evaluate(weights)
             eval_time += time.time() - te
-            write(dict(step=step, device_hours=device_hours, pass_rate=pr, eval=True))
+            write(dict(step=step, device_hours=device_hours, cpu_hours=cpu_hours, pass_rate=pr, eval=True))
             line += f" | held-out pass rate {pr:.3f}"
         print(line, flush=True)
         if step % cfg.ckpt_every == 0 or step == cfg.max_steps or skipped >= cfg.max_nonfinite:

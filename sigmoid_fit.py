@@ -268,7 +268,7 @@ def slope_transform(C, R, A, R0):
         return np.where(C > 0, np.log(C), np.nan), np.where(ok, np.log((R - R0) / (A - R)), np.nan)
 
 
-def plot_runs(runs, path, power_law=False, fit_until=None):
+def plot_runs(runs, path, power_law=False, fit_until=None, xlabel="compute (device-hours)"):
     """Pass rate vs compute (log x) for several runs on one figure. runs: dicts with label, C, R, R0 and
     optionally fit (SigmoidFit) and power (PowerLawFit); missing fits are made on C <= fit_until.
     Solid: the fit window; dashed: the extrapolation; band: A +- 0.02 (the paper's noise margin)."""
@@ -293,7 +293,7 @@ def plot_runs(runs, path, power_law=False, fit_until=None):
             pl = run.get("power") or fit_power_law(C, R, c_min=lo, c_max=hi)
             xs = np.concatenate([x_in, x_out])
             ax.plot(xs, np.minimum(pl.predict(xs), 1.0), ":", color=color, label=f"  power law: A={pl.A:.3f}")
-    ax.set(xscale="log", xlabel="compute (device-hours)", ylabel="pass rate")
+    ax.set(xscale="log", xlabel=xlabel, ylabel="pass rate")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -344,13 +344,14 @@ def read_points(path, compute_key="device_hours", metric_key="pass_rate"):
     return C[C > 0], R[C > 0], r0
 
 
-def analyze(paths, plot=None, fit_until=None, c_min=None, r0=None, power_law=False, metric_key="pass_rate"):
+def analyze(paths, plot=None, fit_until=None, c_min=None, r0=None, power_law=False, metric_key="pass_rate",
+            compute_key="device_hours"):
     """Fit every run, return the report: parameters, A's bootstrap spread, extrapolation check."""
     runs = []
     out = [f"{'run':<28} {'n':>4} {'window':>19} {'R0':>6} {'A':>6} {'A 90% (boot)':>13} {'B':>5} {'C_mid':>9} "
            f"{'rmse':>7}"]
     for p in paths:
-        C, R, r0_guess = read_points(p, metric_key=metric_key)
+        C, R, r0_guess = read_points(p, compute_key=compute_key, metric_key=metric_key)
         R0 = r0 if r0 is not None else r0_guess
         if R0 is None:
             raise ValueError(f"{p}: no point at compute 0 to take R0 from; add one or pass --r0")
@@ -384,7 +385,7 @@ def analyze(paths, plot=None, fit_until=None, c_min=None, r0=None, power_law=Fal
             out.append(f"  power law R = A - D/C^B: A={pl.A:.3f} D={pl.D:.3g} B={pl.B:.3f} rmse={pl.rmse:.4f}"
                        f" (A {pl.A - fit.A:+.3f} vs the sigmoid)")
     if plot:
-        plot_runs(runs, plot, power_law=power_law, fit_until=fit_until)
+        plot_runs(runs, plot, power_law=power_law, fit_until=fit_until, xlabel=f"compute ({compute_key})")
         out.append(f"\nwrote {plot}")
     return "\n".join(out)
 
@@ -398,10 +399,12 @@ def main(argv=None):
     ap.add_argument("--plot", help="write the figure to this PNG")
     ap.add_argument("--power-law", action="store_true", help="also fit the power-law baseline")
     ap.add_argument("--metric", default="pass_rate", help="eval column to fit (default pass_rate)")
+    ap.add_argument("--compute", default="device_hours", help="compute column (default device_hours; cpu_hours: "
+                    "CPU time of the training process, steady on a busy machine)")
     args = ap.parse_args(argv)
     try:
         print(analyze(args.paths, plot=args.plot, fit_until=args.fit_until, c_min=args.c_min, r0=args.r0,
-                      power_law=args.power_law, metric_key=args.metric))
+                      power_law=args.power_law, metric_key=args.metric, compute_key=args.compute))
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,167 @@
+"""runs/ablations.py: the paper's comparisons in miniature, on the CPU task, each fitted with sigmoid_fit.
+
+    python runs/ablations.py                 # every run (2 at a time), then the fits, figures and table
+    python runs/ablations.py --jobs 1 --only scalerl,ppo
+    python runs/ablations.py --report        # fits and figures from whatever runs have finished
+
+Each run is `python scalerl.py --out_dir=OUT/<name> <flags>` with the defaults of the tiny preset otherwise,
+so every run has the same length. A finished run (an eval row at its last step) is skipped; an interrupted one
+is continued with --resume. Logs go to OUT/<name>/stdout.log. The report fits every comparison against
+cpu_hours (the training process's CPU time; device_hours is wall time and grows with the machine's load when
+runs share it), writes OUT/<comparison>.png and OUT/results.md.
+
+The comparisons (RECIPE.md §5, §8; the paper's section in brackets):
+  predictability  fit the default run on its first half, predict the second        (Sec. 2.1, Fig. 1)
+  off_policy      PipelineRL-2 vs PPO-off-policy-2                                  (Sec. 3.1, Fig. 4a)
+  precision       FP32 head + FP32 body vs bf16 head + bf16 body                     (Sec. 3.2, Fig. 5b)
+  loss            CISPO vs DAPO, GSPO, GRPO                                          (Sec. 3.2, Fig. 5a)
+  leave_one_out   ScaleRL vs one choice reverted at a time                           (Sec. 4, Fig. 8)
+  noise           the default over three seeds: this task's own margin on A          (Sec. 2.1, App. A.5)
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import sigmoid_fit  # noqa: E402
+
+RUNS = {
+    "scalerl": [],                                             # the default: ScaleRL on the tiny task, seed 0
+    "seed1": ["--seed=1"],
+    "seed2": ["--seed=2"],
+    "ppo_off_policy": ["--off_policy=ppo"],                    # PPO-off-policy-2 (the default's k)
+    "bf16_head_body": ["--dtype=bfloat16", "--fp32_head=false"],
+    "dapo": ["--loss=dapo"],
+    "gspo": ["--loss=gspo"],
+    "grpo": ["--loss=grpo"],
+    "no_zero_var_filter": ["--zero_var_filter=false"],
+    "no_npr": ["--npr=false"],
+    "sample_agg": ["--agg=sample"],
+    "prompt_adv_norm": ["--adv_norm=prompt"],                 # per-prompt std instead of the batch's
+}
+COMPARISONS = {
+    "off_policy": ["scalerl", "ppo_off_policy"],
+    "precision": ["scalerl", "bf16_head_body"],
+    "loss": ["scalerl", "dapo", "gspo", "grpo"],
+    "leave_one_out": ["scalerl", "no_zero_var_filter", "no_npr", "sample_agg", "prompt_adv_norm"],
+    "noise": ["scalerl", "seed1", "seed2"],
+}
+COMPUTE = "cpu_hours"
+
+
+def rows(run_dir):
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    out = []
+    for line in open(path):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a torn last line from a killed run
+            pass
+    return out
+
+
+def finished(run_dir):
+    """An eval row at the run's last step."""
+    try:
+        max_steps = json.load(open(os.path.join(run_dir, "config.json")))["config"]["max_steps"]
+    except (OSError, ValueError, KeyError):
+        return False
+    return any(r.get("eval") and r["step"] == max_steps for r in rows(run_dir))
+
+
+def launch(name, out, extra):
+    run_dir = os.path.join(out, name)
+    if finished(run_dir):
+        print(f"{name}: finished, skipped", flush=True)
+        return 0
+    resume = ["--resume"] if os.path.exists(os.path.join(run_dir, "ckpt.pt")) else []
+    if not resume and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        print(f"{name}: {run_dir} holds a run without a checkpoint; remove it to start over", flush=True)
+        return 1
+    os.makedirs(run_dir, exist_ok=True)
+    cmd = [sys.executable, os.path.join(ROOT, "scalerl.py"), f"--out_dir={run_dir}", *RUNS[name], *extra, *resume]
+    print(f"{name}: {' '.join(cmd[1:])}", flush=True)
+    t0 = time.time()
+    with open(os.path.join(run_dir, "stdout.log"), "a") as log:
+        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    last = [r for r in rows(run_dir) if r.get("eval")][-1:] or [{}]
+    print(f"{name}: exit {rc} after {(time.time() - t0) / 60:.1f} min, last pass rate {last[0].get('pass_rate')}",
+          flush=True)
+    return rc
+
+
+def fit_row(name, fit, rs):
+    evals = [r for r in rs if r.get("eval")]
+    steps = [r for r in rs if not r.get("eval")]
+    mean = lambda k: sum(r[k] for r in steps) / max(len(steps), 1)  # noqa: E731
+    return (f"| {name} | {evals[0]['pass_rate']:.3f} | {evals[-1]['pass_rate']:.3f} | {fit.A:.3f} ± {fit.A_std:.3f} "
+            f"| {fit.B:.2f} | {fit.C_mid:.3g} | {evals[-1][COMPUTE]:.3g} | {mean('mismatch_kl'):+.1e} "
+            f"| {mean('trunc_rate'):.3f} | {mean('zero_var_frac'):.2f} |")
+
+
+def report(out):
+    lines = [f"# Ablations on the tiny task (compute axis: {COMPUTE})", "",
+             f"Regenerate: `python runs/ablations.py` (finished runs are skipped), then this report is rewritten.", ""]
+    done = {n for n in RUNS if finished(os.path.join(out, n))}
+    if "scalerl" in done:  # predictability: fit the first half, predict the second (pass-rate points)
+        C, R, r0 = sigmoid_fit.read_points(os.path.join(out, "scalerl"), compute_key=COMPUTE)
+        ex = sigmoid_fit.extrapolation_check(C, R, r0, fit_fraction=0.5, n_boot=0)
+        full = sigmoid_fit.fit_sigmoid(C, R, r0)
+        sigmoid_fit.plot_runs([dict(label="scalerl, first half", C=C, R=R, R0=r0, fit=ex.fit)],
+                              os.path.join(out, "predictability.png"), xlabel=f"compute ({COMPUTE})")
+        lines += ["## predictability", "",
+                  f"Fit on C <= {ex.fit.window[1]:.3g} ({ex.n_fit} evals): A={ex.fit.A:.3f} B={ex.fit.B:.2f} "
+                  f"C_mid={ex.fit.C_mid:.3g}; on all {full.n_points} evals: A={full.A:.3f} B={full.B:.2f} "
+                  f"C_mid={full.C_mid:.3g}. Prediction of the {ex.n_test} later evals: mean |err| "
+                  f"{100 * ex.mean_abs_err:.1f} points, max {100 * ex.max_abs_err:.1f}, at the end "
+                  f"{100 * ex.final_err:+.1f} (prediction - measured).", "", "![](predictability.png)", ""]
+    for comp, names in COMPARISONS.items():
+        have = [n for n in names if n in done]
+        if len(have) < 2:
+            continue
+        paths = [os.path.join(out, n) for n in have]
+        sigmoid_fit.analyze(paths, plot=os.path.join(out, f"{comp}.png"), compute_key=COMPUTE)
+        lines += [f"## {comp}", "", "| run | R0 | final | A ± boot. std | B | C_mid | C end | mismatch_kl | trunc "
+                  "| zero-var |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for n, p in zip(have, paths):
+            C, R, r0 = sigmoid_fit.read_points(p, compute_key=COMPUTE)
+            lines.append(fit_row(n, sigmoid_fit.fit_sigmoid(C, R, r0), rows(p)))
+        lines += ["", f"![]({comp}.png)", ""]
+    missing = [n for n in RUNS if n not in done]
+    if missing:
+        lines.append(f"Not finished yet: {', '.join(missing)}.")
+    open(os.path.join(out, "results.md"), "w").write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"wrote {os.path.join(out, 'results.md')}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(ROOT, "out", "ablations"), help="parent of the run directories")
+    ap.add_argument("--jobs", type=int, default=2, help="runs at once (each uses one CPU thread)")
+    ap.add_argument("--only", help="comma-separated run names (default: all): " + ", ".join(RUNS))
+    ap.add_argument("--report", action="store_true", help="only fit and plot the finished runs")
+    args, extra = ap.parse_known_args()  # anything else goes to every scalerl.py run, e.g. --max_steps=100
+    names = args.only.split(",") if args.only else list(RUNS)
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        ap.error(f"unknown run(s) {', '.join(unknown)}; choose from {', '.join(RUNS)}")
+    if args.jobs < 1:
+        ap.error(f"--jobs must be >= 1, got {args.jobs}")
+    if not args.report:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            codes = list(pool.map(lambda n: launch(n, args.out, extra), names))
+        if any(codes):
+            print(f"{sum(c != 0 for c in codes)} run(s) failed; see their stdout.log", file=sys.stderr)
+    report(args.out)
+
+
+if __name__ == "__main__":
+    main()
