@@ -4,11 +4,15 @@ What is here (standalone, no project imports):
 - `Problem`: one prompt with its reference answer and the checker it needs (`task`).
 - Sources, all through `load_problems(source, ...) -> (train, val)`:
   "arith" (built in, offline: chains of single-digit additions with a step-by-step scratchpad),
+  "code" (built in, offline: print f(a,b) for the a b on stdin, with hidden tests),
   "rg:<name>" (a reasoning-gym task, generated offline), the presets "polaris", "gsm8k", "math",
-  any Hugging Face hub dataset name, or a local .json/.jsonl/.parquet file.
+  "deepcoder", any Hugging Face hub dataset name, or a local .json/.jsonl/.parquet file (code when it
+  has a `tests` column of stdin/stdout pairs); `combine` joins several sources into one run.
 - `format_prompt` / `format_target`: a thinking section, then the answer: `<think> ... </think> answer`.
 - `reward(problem, completion)`: +1 pass / -1 fail; never raises, a checker that runs too long fails.
-- `PromptPool`: seeded epochs with zero-variance filtering and No-Positive-Resampling.
+- `PromptPool`: seeded epochs with zero-variance filtering and No-Positive-Resampling; `MixedPool`: one
+  per task, drawn from in fixed shares (math + code, §7).
+- `check_program`: runs a program against its tests in a sandbox; `parallel_map` checks a batch at once.
 
 The paper's choices made here:
 1. Binary reward +1 / -1 from a verifier (RECIPE §2); math answers are checked with Math-Verify after
@@ -21,21 +25,28 @@ The paper's choices made here:
    **choice**: the latest observed pass rate decides, and removal takes effect at the next epoch.
 5. The forced-interruption phrase (§6) ends with `</think>`, so an interrupted completion still has an
    answer section for `extract_answer`.
+6. Code is checked by running it against hidden stdin/stdout tests in a sandbox (§7); pass = all pass.
 
 Run `python data.py` to print a few built-in problems, their prompt and their supervised target.
 """
 import atexit
+import concurrent.futures
+import functools
 import importlib.util
 import json
 import os
+import queue
 import random
 import re
 import select
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 INTERRUPT_PHRASE = "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"  # §6
@@ -48,8 +59,8 @@ MATH_INSTRUCTION = "\nThink inside <think> </think>, then write the final answer
 class Problem:
     id: int          # stable prompt id, unique within a loaded source (PromptPool keys on it)
     question: str    # question text shown to the model (no template), with any per-task instruction
-    answer: str      # reference answer
-    task: str        # "arith" | "rg:<name>" | "math": selects the checker
+    answer: str      # reference answer; for "code", the hidden tests as JSON [[stdin, stdout], ...]
+    task: str        # "arith" | "code" | "rg:<name>" | "math": selects the checker
     level: int = 0   # difficulty level of the built-in task; 0 when unknown
     trace: str = ""  # step-by-step thinking for the supervised warm start ("" when none)
 
@@ -148,6 +159,8 @@ def format_target(problem):
     answer = problem.answer
     if problem.task == "arith" and problem.trace:
         answer = problem.trace.rsplit("=", 1)[-1]
+    elif problem.task == "code":  # the built-in program prints the trace's last expression
+        answer = CODE_HEAD + problem.trace.rsplit(",", 1)[-1] + ")" if problem.trace else ""
     return problem.trace + THINK_CLOSE + answer
 
 
@@ -258,6 +271,8 @@ def reward(problem, completion, timeout=5.0):
             ok = _check_rg(problem, text, timeout)
         elif problem.task == "math":  # answers are short; the tail keeps a final \boxed{} of a long one
             ok = _MATH.check(problem.answer, text[-2000:], timeout)
+        elif problem.task == "code":
+            ok = _code_verdict(extract_program(completion), problem.answer, min(timeout, CODE_TIME_LIMIT))
         else:
             ok = False
     except Exception:  # a reward never takes down the run: an unexpected failure is a fail
@@ -292,6 +307,8 @@ PRESETS = {  # name -> hub dataset, config, split, the prompt/answer columns, an
                   answer_key="answer", answer_fn=_after_hashes),
     "math": dict(hub="DigitalLearningGmbH/MATH-lighteval", config="default", split="train", prompt_key="problem",
                  answer_key="solution", answer_fn=lambda solution: (solution, last_boxed(solution))),
+    "deepcoder": dict(hub="agentica-org/DeepCoder-Preview-Dataset", config="primeintellect", split="train",
+                      prompt_key="problem", answer_key="tests", answer_fn=None),  # code: rows with a tests column
 }
 
 
@@ -366,6 +383,12 @@ def load_problems(source, n_val=1000, seed=0, n_train=None, prompt_key=None, ans
             raise ValueError(f"unknown options for source 'arith': {sorted(extra)}; expected levels, error_rate")
         val = arith_problems(n_val, seed, split="val", start_id=0, **kw)
         return arith_problems(5000 if n_train is None else n_train, seed, split="train", start_id=n_val, **kw), val
+    if source == "code":
+        if set(kw) - {"levels", "error_rate"}:
+            raise ValueError(f"unknown options for source 'code': {sorted(set(kw) - {'levels', 'error_rate'})}; "
+                             f"expected levels, error_rate")
+        val = code_problems(n_val, seed, split="val", start_id=0, **kw)
+        return code_problems(5000 if n_train is None else n_train, seed, split="train", start_id=n_val, **kw), val
     if source.startswith("rg:"):
         import reasoning_gym
         name, n_train = source[3:], 5000 if n_train is None else n_train
@@ -385,10 +408,12 @@ def load_problems(source, n_val=1000, seed=0, n_train=None, prompt_key=None, ans
     preset = PRESETS.get(source, dict(hub=source, config=kw.get("config"), split=kw.get("split", "train"),
                                       prompt_key="problem", answer_key="answer", answer_fn=None))
     prompt_key, answer_key = prompt_key or preset["prompt_key"], answer_key or preset["answer_key"]
-    if importlib.util.find_spec("math_verify") is None:  # else every math reward would quietly fail
-        raise ValueError(f"source {source!r} is checked with math-verify: pip install math-verify")
     path = kw.get("data_path") or (source if source.endswith((".json", ".jsonl", ".parquet")) else None)
     rows = _read_rows(path) if path else _read_hub(source, preset["hub"], preset["config"], preset["split"])
+    if rows and "tests" in rows[0]:  # DeepCoder-style: stdin/stdout tests, checked by running the program
+        return _split(_code_rows(rows, source, prompt_key), n_val, n_train, seed, source)
+    if importlib.util.find_spec("math_verify") is None:  # else every math reward would quietly fail
+        raise ValueError(f"source {source!r} is checked with math-verify: pip install math-verify")
     problems = _rows_to_problems(rows, source, prompt_key, answer_key, kw.get("trace_key"), preset["answer_fn"])
     return _split(problems, n_val, n_train, seed, source)
 
@@ -464,6 +489,295 @@ class PromptPool:
         self.order, self.removed = [int(i) for i in state["order"]], {int(i) for i in state["removed"]}
         self.history = {int(i): float(r) for i, r in state["history"]}
         self.groups_seen, self.zero_var_dropped = state["groups_seen"], state["zero_var_dropped"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Code and multi-task (§7: math+code runs add DeepCoder, checked in a sandbox against tests; Table 1 fits
+# one curve per task). A program reads stdin and prints to stdout; it passes when its output on every
+# hidden test equals the expected one after trailing whitespace is stripped.
+
+CODE_INSTRUCTION = ("\nThink inside <think> </think>, then after </think> write a Python program that reads "
+                    "stdin and prints the answer, in a ```python block.")
+CODE_TIME_LIMIT = 2.0                # seconds of wall clock per test
+CODE_WORKERS = min(64, 4 * (os.cpu_count() or 1))  # checks parallel_map runs at once: most of one is waiting
+CODE_HEAD = "a,b=map(int,input().split())\nprint("  # every built-in program: this, the expression, ")"
+CODE_CHARS = "".join(sorted(set("f(a,b)=0123456789+-*," + CODE_HEAD + ")")))
+CODE_ANSWER_TOKENS = len(CODE_HEAD) + 3 * len("-9*a*b") + 2  # the longest built-in program and the end token
+_FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.S)
+# One interpreter per program: limits, as root a uid of its own, an audit hook (a second line only: PEP 578
+# hooks are no security boundary; the first is the uid and the namespaces), then a forked child per test with
+# that test's input and output files as stdin and stdout; each exit code is reported on stdout.
+_BOOT = r"""# scalerl sandbox
+import os, resource as R, sys
+mem, fsize, nproc, uid, *fds = map(int, sys.argv[1:])
+for k, v in ((R.RLIMIT_AS, mem), (R.RLIMIT_FSIZE, fsize), (R.RLIMIT_NPROC, nproc), (R.RLIMIT_CORE, 0)):
+    R.setrlimit(k, (v, v))
+code, null = compile(open("prog.py", encoding="utf-8").read(), "prog.py", "exec"), os.open(os.devnull, os.O_WRONLY)
+if uid >= 0:
+    os.setgroups([]), os.setresgid(uid, uid, uid), os.setresuid(uid, 0, 0)
+    if not os.access(os.__file__, os.R_OK):  # the standard library is closed to other users: load the usual now
+        import array, bisect, collections, functools, heapq, itertools, math, operator, re, string
+    os.setresuid(uid, uid, uid)
+def hook(event, args, lib=os.path.realpath(os.path.dirname(os.__file__)) + os.sep, real=os.path.realpath,
+         write=os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC, isinstance=isinstance,
+         deny=("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.kill", "os.ch",
+               "signal.pthread_kill", "pty.", "os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.symlink",
+               "os.link", "os.truncate", "os.utime", "shutil.", "ctypes."), Err=PermissionError):
+    if (event.startswith(deny) or event == "import" and args[0].partition(".")[0] in ("ctypes", "_posixsubprocess")
+            or event == "object.__setattr__" and args[0] is hook or event == "open" and not isinstance(args[0], int)
+            and ((args[2] or 0) & write or not real(args[0]).startswith(lib))):  # reads of the standard library only
+        raise Err("sandbox: " + event + " is not allowed")
+sys.addaudithook(hook)
+sys.argv = ["prog.py"]
+os.nice(10)  # the host (and its cleanup, should a program spin up many processes) goes first
+os.write(1, b"ready\n")
+for i in range(0, len(fds), 2):
+    pid = os.fork()
+    if pid == 0:  # one test: its input and output files, nothing else open
+        os.dup2(fds[i], 0), os.dup2(fds[i + 1], 1), os.dup2(null, 2), os.closerange(3, 1 << 16)
+        try:
+            exec(code, {"__name__": "__main__"})
+            rc = 0
+        except SystemExit as e:
+            rc = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            rc = 1
+        try:
+            sys.stdout.flush()
+        except BaseException:
+            rc = 1
+        os._exit(rc & 255)
+    os.write(1, b"%d\n" % os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+_SLOTS = queue.SimpleQueue()  # a uid per concurrent check (as root), so a sweep by uid finds only its processes
+[_SLOTS.put(i) for i in range(64)]
+_MODE, _LOCK, _POOL = [], threading.Lock(), []
+
+
+def _procs(match):
+    """[(pid, status fields)] of the processes for which match(pid, status) holds, from /proc."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                st = dict(line.split(":", 1) for line in f if ":" in line)
+            out += [(int(pid), st)] if match(pid, st) else []
+        except (OSError, KeyError, ValueError):
+            pass  # gone meanwhile, or not ours to inspect
+    return out
+
+
+def _run_tests(program, tests, time_limit, mem, cap, mode):
+    ns, own_uid = mode
+    slot, box, files, p = _SLOTS.get(), tempfile.mkdtemp(prefix="scalerl-code-"), [], None
+    uid = 1_000_000 + os.getpid() % 4_000_000 * 64 + slot if own_uid else -1
+    try:
+        with open(os.path.join(box, "prog.py"), "w", encoding="utf-8") as f:
+            f.write(program)
+        for stdin, _ in tests:  # unnamed files: nothing a program could open by a path
+            files += [tempfile.TemporaryFile(dir=box), tempfile.TemporaryFile(dir=box)]
+            files[-2].write(stdin.encode()), files[-2].seek(0)
+        # RLIMIT_NPROC counts all processes of a uid: absolute with a uid or a user namespace of its own, else
+        # on top of what this user runs already
+        nproc = 16 if ns or own_uid else 16 + sum(int(st["Threads"]) for _, st in _procs(
+            lambda pid, st: int(st["Uid"].split()[0]) == os.getuid()))
+        fds = [f.fileno() for f in files]
+        args = [sys.executable, "-I", "-S", "-c", _BOOT, *map(str, [mem, cap + 1, nproc, uid, *fds])]
+        p = subprocess.Popen(ns + args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             pass_fds=fds, cwd=box, env={"LC_ALL": "C.UTF-8"}, start_new_session=True)
+        if not select.select([p.stdout], [], [], 10.0)[0] or p.stdout.readline() != b"ready\n":
+            return False  # the interpreter did not start: not the program's fault, but a fail
+        for k, (_, want) in enumerate(tests):  # the wall clock of each test runs from the previous report
+            if not select.select([p.stdout], [], [], time_limit)[0] or p.stdout.readline().strip() != b"0":
+                return False
+            files[2 * k + 1].seek(0)
+            got = files[2 * k + 1].read(cap + 1)
+            if len(got) > cap or _lines(got.decode(errors="replace")) != _lines(want):
+                return False
+        return True
+    finally:  # kill the process group (with a PID namespace the kernel kills the rest), then sweep: what left the
+        if p is not None:  # group by setsid() still has the sandbox's uid, or its directory (chdir is refused)
+            try:
+                os.killpg(p.pid, 9)
+            except OSError:
+                pass
+            p.wait(), p.stdout.close()
+            for _ in range(200):
+                strays = _procs(lambda pid, st: st["State"].split()[0] != "Z" and (
+                    int(st["Uid"].split()[0]) == uid or os.readlink(f"/proc/{pid}/cwd") == box))
+                [os.kill(pid, 9) for pid, _ in strays]
+                if not strays:
+                    break
+                time.sleep(0.005)
+        [f.close() for f in files]
+        shutil.rmtree(box, ignore_errors=True)
+        _SLOTS.put(slot)
+
+
+def _lines(text):
+    return [line.rstrip() for line in text.rstrip().splitlines()]
+
+
+def sandbox_mode():
+    """(command prefix, own uid?) of the strongest sandbox that runs a canary program here: network and PID
+    namespaces (`unshare`; as a plain user inside a user namespace), as root a uid of its own; None if none."""
+    with _LOCK:
+        if not _MODE:
+            root, unshare = os.geteuid() == 0, shutil.which("unshare")
+            ns = [unshare] + ([] if root else ["-r"]) + ["-n", "-p", "-f", "--kill-child"] if unshare else None
+            for mode in ([(ns, root)] if ns else []) + [([], root)] + ([] if root else [([], False)]):
+                if _run_tests("import math\nprint(int(input())+1)", [("41\n", "42")], 10.0, 256 << 20, 64, mode):
+                    _MODE.append(mode)
+                    break
+            else:  # never run untrusted code as root without a uid of its own
+                _MODE.append(None)
+                print("warning: no code sandbox works here; every program fails its tests", file=sys.stderr)
+        return _MODE[0]
+
+
+def check_program(program, tests, time_limit=CODE_TIME_LIMIT, memory_mb=512, output_bytes=1 << 20):
+    """True iff `program` (Python source) prints the expected stdout for every (stdin, stdout) test. It runs in a
+    fresh `python -I -S` (no site-packages, an empty environment) in a temporary directory, removed after, with
+    `time_limit` seconds of wall clock per test (then all its processes are killed) and limits on address space,
+    output and file size and process count; network, subprocesses, signals, file writes and reads outside the
+    standard library are refused. Stops at the first failed test; never raises."""
+    try:
+        mode = sandbox_mode()
+        if mode is None or not isinstance(program, str) or not program.strip() or not tests:
+            return False
+        return _run_tests(program, [(str(i), str(o)) for i, o in tests], float(time_limit), memory_mb << 20,
+                          output_bytes, mode)
+    except Exception:  # noqa: BLE001 -- a verifier never takes down the run
+        return False
+
+
+def extract_program(completion):
+    """The program after the last </think>: the first ```python block when there is one, else all of it."""
+    text = extract_answer(completion)
+    m = _FENCE.search(text) if text else None
+    return m[1] if m else text
+
+
+@functools.lru_cache(maxsize=256)
+def code_tests(answer):
+    return [tuple(t) for t in json.loads(answer)]  # a code problem's answer: its hidden tests as JSON
+
+
+@functools.lru_cache(maxsize=4096)  # a group often holds the same program several times: run it once
+def _code_verdict(program, answer, time_limit):
+    return check_program(program, code_tests(answer), time_limit)
+
+
+def parallel_map(fn, items):
+    """[fn(x) for x in items] on a shared pool of CODE_WORKERS threads: a batch's code checks run side by side."""
+    with _LOCK:
+        _POOL[:] = _POOL or [concurrent.futures.ThreadPoolExecutor(CODE_WORKERS, thread_name_prefix="reward")]
+    return list(_POOL[0].map(fn, items))
+
+
+# The built-in code task: level L is f(a,b) with L terms in math notation, "f(a,b)=3ab-a+7"; the program prints
+# it for the a b on stdin. The thinking builds the Python expression a term at a time, "3*a*b,3*a*b-a,3*a*b-a+7";
+# slips (a coefficient off by one, a sign flipped, a variable swapped) carry on, like arith's.
+
+def _term(sign, coef, var, first, python):
+    body = ([str(coef)] if coef > 1 or not var else []) + list(var)
+    return ("-" if sign == "-" else "" if first else "+") + ("*".join(body) if python else "".join(body))
+
+
+def code_problems(n, seed=0, levels=(1, 2, 3), error_rate=0.0, start_id=0, split=None, n_tests=3):
+    """n built-in code problems (ids start_id..), each a function of (seed, id); as `arith_problems`."""
+    if not levels or any(not isinstance(L, int) or not 1 <= L <= 3 for L in levels):
+        raise ValueError(f"code levels must be integers in 1..3, got {levels!r}")
+    out, values = [], [v for v in range(-30, 31) if v not in (0, 1)]  # a single slip changes every output
+    for pid in range(start_id, start_id + n):
+        level, rng = levels[pid % len(levels)], random.Random(f"code:{seed}:{pid}")
+        for _ in range(10_000):  # rejection sampling into the requested side of the split
+            terms = [(rng.choice("+-"), rng.randint(1, 9), rng.choice(("a", "b", "ab", ""))) for _ in range(level)]
+            question = "f(a,b)=" + "".join(_term(*t, i == 0, False) for i, t in enumerate(terms))
+            if split is None or _is_val_question(question, seed) == (split == "val"):
+                break
+        tests = []
+        for a, b in (rng.sample(values, 2) for _ in range(n_tests)):  # a != b
+            f = sum((1 if s == "+" else -1) * c * (a if "a" in v else 1) * (b if "b" in v else 1) for s, c, v in terms)
+            tests.append((f"{a} {b}\n", f"{f}\n"))
+        slip, steps = random.Random(f"codeslip:{seed}:{pid}"), []
+        for i, (s, c, v) in enumerate(terms):
+            u, kind, up = slip.random(), slip.randrange(3), slip.random() < 0.5  # drawn whatever the rate
+            if u < error_rate:
+                s, c, v = [(s, c + 1 if c == 1 or up else c - 1, v), ("+-"[s == "+"], c, v),
+                           (s, c, {"a": "b", "b": "a", "ab": "a", "": "a"}[v])][kind]
+            steps.append((steps[-1] if steps else "") + _term(s, c, v, i == 0, True))
+        out.append(Problem(pid, question, json.dumps(tests), "code", level, ",".join(steps)))
+    return out
+
+
+def _code_rows(rows, source, prompt_key):
+    """Problems from DeepCoder/TACO-style rows: `tests` is a list of {input, output} (or [input, output]) or a dict
+    of inputs/outputs lists, maybe as JSON text; tests that call a function instead of reading stdin are left out."""
+    if prompt_key not in rows[0]:
+        raise ValueError(f"dataset {source!r} has no column {prompt_key!r}; columns: {sorted(rows[0])}; "
+                         f"set prompt_key=")
+    out = []
+    for i, row in enumerate(rows):
+        try:
+            t = json.loads(row["tests"]) if isinstance(row["tests"], str) else row["tests"]
+            t = ([] if t.get("fn_name") else list(zip(t["inputs"], t["outputs"]))) if isinstance(t, dict) else t
+            t = [dict(input=x[0], output=x[1]) if isinstance(x, (list, tuple)) else x for x in t]
+            tests = [(x["input"], x["output"]) for x in t if isinstance(x["input"], str) and isinstance(
+                x["output"], str) and x.get("testtype", "stdin") == "stdin" and x.get("type", "stdin_stdout")
+                == "stdin_stdout"]
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            tests = []  # unreadable tests: the row cannot be checked
+        if tests and str(row.get(prompt_key) or "").strip():
+            out.append(Problem(i, str(row[prompt_key]).strip() + CODE_INSTRUCTION, json.dumps(tests), "code"))
+    if not out:
+        raise ValueError(f"dataset {source!r}: no row has stdin/stdout tests in its 'tests' column")
+    return out
+
+
+def combine(parts):
+    """One (train, val) from several sources' (train, val) pairs, ids shifted to stay unique across them."""
+    train, val = [], []
+    for tr, va in parts:
+        if train or val:
+            shift = max(p.id for p in train + val) + 1
+            new = {p: replace(p, id=p.id + shift) for p in tr + va}
+            _RG.update({new[p]: _RG[p] for p in new if p in _RG})
+            tr, va = [new[p] for p in tr], [new[p] for p in va]
+        train, val = train + tr, val + va
+    return train, val
+
+
+class MixedPool:
+    """A PromptPool per task (each with its own NPR and zero-variance curriculum), drawn from in fixed shares.
+    **choice** (the paper does not say how it mixes, §7): each draw goes to the task furthest below its share
+    so far, so every B consecutive prompts hold B x share of each task, to within one."""
+
+    def __init__(self, problems, shares, seed=0, **pool_kw):
+        self.shares = {t: w / sum(shares.values()) for t, w in shares.items() if w > 0}
+        self.pools = {t: PromptPool([p for p in problems if p.task == t], seed, **pool_kw) for t in self.shares}
+        self.task_of, self.drawn = {p.id: p.task for p in problems}, dict.fromkeys(self.pools, 0)
+
+    npr_removed = property(lambda self: sum(p.npr_removed for p in self.pools.values()))
+    epoch = property(lambda self: min(p.epoch for p in self.pools.values()))  # the slowest task's epoch
+
+    def next(self):
+        n = sum(self.drawn.values()) + 1
+        task = max(self.pools, key=lambda t: n * self.shares[t] - self.drawn[t])
+        self.drawn[task] += 1
+        return self.pools[task].next()
+
+    def record(self, prompt_id, rewards):  # an unknown id is a KeyError, as in PromptPool
+        return self.pools[self.task_of[prompt_id]].record(prompt_id, rewards)
+
+    def state_dict(self):
+        return {"drawn": dict(self.drawn), "pools": {t: p.state_dict() for t, p in self.pools.items()}}
+
+    def load_state_dict(self, state):
+        if set(state["pools"]) != set(self.pools):
+            raise ValueError(f"MixedPool state holds tasks {sorted(state['pools'])}, this pool {sorted(self.pools)}")
+        self.drawn = dict(state["drawn"])
+        [p.load_state_dict(state["pools"][t]) for t, p in self.pools.items()]
 
 
 if __name__ == "__main__":

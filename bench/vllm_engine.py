@@ -1,0 +1,120 @@
+"""Throughput of pipeline_rl.VLLMEngine against pipeline_rl.TorchEngine on the same model, prompts and sampling.
+
+The setting of bench/engine.py: the tiny default model (random init, or `--ckpt`), the built-in arithmetic prompts
+rendered as in training, `--n` completions each, temperature 1, the thinking budget and answer budget of Config, the
+forced interruption off (the thinking budget is a hard stop) and on. Both engines run `generate(templates, n)` with
+`slots` sequences at once. The vLLM engine is built once per slot count (its start-up is printed, not timed in the
+rows) and its sampling seeds are reset before each run, so every repeat does identical work; the first run on a
+fresh vLLM engine pays one-time costs and is shown apart ("first s").
+
+Columns: tokens = engine.stats["tokens"] (sampled and forced); forced = inserted interruption tokens; intr% = share
+of completions interrupted; steps = engine steps; s = wall time of the fastest run; tok/s = tokens / s; "x torch"
+divides it by the torch engine's at the same slots and interruption setting. The two engines sample with different
+random streams, so their lengths differ a little: compare rates. Also printed: the time of one in-flight weight load.
+
+Needs vLLM (pip install -r requirements-vllm.txt). Run: `python bench/vllm_engine.py` (two to three minutes on
+2 CPU cores); `--slots 64 --prompts 64` for one bigger configuration, `--ckpt out/warmstart/<hash>.pt` for a
+trained model's lengths.
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import engine as bench  # noqa: E402  -- bench/engine.py: model loading and argument helpers
+import data  # noqa: E402
+import pipeline_rl  # noqa: E402
+import scalerl  # noqa: E402
+
+
+def run(eng, prompts, n, seed):
+    """One generate call on `eng` with reseeded sampling; returns its figures."""
+    eng.rng.manual_seed(seed)
+    eng.budget_rng.seed(seed)
+    before = dict(eng.stats)
+    t0 = time.perf_counter()
+    groups = eng.generate([pipeline_rl.Sample(i, i, p) for i, p in enumerate(prompts)], n)
+    dt = time.perf_counter() - t0
+    samples = [s for g in groups for s in g]
+    return dict(tokens=eng.stats["tokens"] - before["tokens"], forced=sum(sum(s.forced) for s in samples),
+                steps=eng.stats["decode_steps"] - before["decode_steps"], seconds=dt,
+                interrupted=sum(s.interrupted for s in samples) / len(samples))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=32, help="arith prompts (levels 1..5 cycle)")
+    ap.add_argument("--n", type=int, default=8, help="completions per prompt")
+    ap.add_argument("--slots", type=bench.positive_ints, default=[32, 64, 128], help="slot counts (comma-separated)")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--repeats", type=int, default=2, help="runs per configuration; the fastest is reported")
+    ap.add_argument("--ckpt", default=None, help="state dict of the default tiny model (default: random init)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    for k in ("prompts", "n", "repeats"):
+        if getattr(args, k) <= 0:
+            ap.error(f"--{k} must be positive, got {getattr(args, k)}")
+    if args.threads < 0:
+        ap.error(f"--threads must be >= 0, got {args.threads}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        import vllm
+    except ImportError as e:
+        raise SystemExit(f"error: this benchmark needs vLLM ({e}); pip install -r requirements-vllm.txt")
+
+    cfg = scalerl.Config()
+    tok = scalerl.char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=")
+    model = bench.load_model(cfg, tok, args.ckpt)
+    prompts = [scalerl.encode(tok, data.format_prompt(p.question, tok))
+               for p in data.arith_problems(args.prompts, seed=args.seed)]
+    print(f"vLLM engine benchmark | {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params "
+          f"({args.ckpt or 'random init'}) | vllm {vllm.__version__}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} thread(s) | load average {os.getloadavg()[0]:.2f}")
+    print(f"  {args.prompts} prompts x {args.n} = {args.prompts * args.n} completions | think {cfg.think_min}-"
+          f"{cfg.think_max} + answer {cfg.answer_budget} | best of {args.repeats}")
+
+    def make(cls, slots, interrupt):
+        return cls(model, slots=slots, max_prompt=max(map(len, prompts)), think_budget=(cfg.think_min, cfg.think_max),
+                   answer_budget=cfg.answer_budget, eos_id=tok.eos_token_id,
+                   think_close_ids=scalerl.encode(tok, data.THINK_CLOSE),
+                   interrupt_ids=scalerl.encode(tok, data.INTERRUPT_PHRASE) if interrupt else None, seed=args.seed)
+
+    head = (f"{'engine':<6} {'slots':>5} {'intr':>4} {'tokens':>7} {'forced':>6} {'intr%':>5} {'steps':>6} "
+            f"{'first s':>7} {'s':>6} {'tok/s':>7} {'x torch':>7}")
+    rows, t_start = [], time.time()
+    run(make(pipeline_rl.TorchEngine, 4, True), prompts[:2], 2, args.seed)  # warm-up of the torch side
+    for slots in args.slots:
+        for interrupt in (False, True):
+            t0 = time.perf_counter()
+            veng = make(pipeline_rl.VLLMEngine, slots, interrupt)
+            start = time.perf_counter() - t0
+            teng = make(pipeline_rl.TorchEngine, slots, interrupt)
+            first = run(veng, prompts, args.n, args.seed)
+            t = min((run(teng, prompts, args.n, args.seed) for _ in range(args.repeats)), key=lambda r: r["seconds"])
+            v = min([first] + [run(veng, prompts, args.n, args.seed) for _ in range(args.repeats - 1)],
+                    key=lambda r: r["seconds"])
+            v["first"], t["first"] = first["seconds"], None
+            t0 = time.perf_counter()
+            veng.load_weights(model, 1)
+            load = time.perf_counter() - t0
+            rows += [("torch", slots, interrupt, t, t), ("vllm", slots, interrupt, v, t)]
+            print(f"  vLLM engine with {slots} slots: start {start:.1f}s, one weight load {1000 * load:.0f} ms",
+                  flush=True)
+            del veng
+    print(head)
+    print("-" * len(head))
+    for name, slots, interrupt, r, base in rows:
+        rate = r["tokens"] / r["seconds"]
+        first = "-" if r["first"] is None else f"{r['first']:.2f}"
+        print(f"{name:<6} {slots:>5} {'on' if interrupt else 'off':>4} {r['tokens']:>7} {r['forced']:>6} "
+              f"{100 * r['interrupted']:>5.1f} {r['steps']:>6} {first:>7} {r['seconds']:>6.2f} {rate:>7.0f} "
+              f"{rate / (base['tokens'] / base['seconds']):>7.2f}")
+    print(f"measured in {time.time() - t_start:.0f}s | load average now {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

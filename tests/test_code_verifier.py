@@ -1,0 +1,358 @@
+"""The code verifier and the math+code mixture (data.py's code section), and per-task curves.
+
+1. An adversarial table for `check_program`: each hostile program (endless loop, fork bomb, memory hog, huge output,
+   writes outside its directory, reads of secrets in the environment and in files, network, killing its parent,
+   leaving a process behind, slow imports, tampering with the audit hook) fails within its time limit plus slack;
+   afterwards no process of the sandbox is alive, no file was created outside the temporary directory (which is gone),
+   and the next verification works.
+2. The built-in code task: the reference programs pass their hidden tests, slipped ones fail; extraction and rewards.
+3. DeepCoder-style files with a `tests` column; the mixture sampler keeps its shares and a curriculum per task.
+4. Per-task fits in sigmoid_fit; a real `scalerl.py --task arith+code` smoke run logs pass_rate_<task> (slow).
+
+Run: python -m pytest tests/test_code_verifier.py (add -m "not slow" to skip the run).
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import data
+import sigmoid_fit
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LIMIT, SLACK = 1.0, 2.5  # seconds per test; slack for interpreter start-up on a busy machine
+ADD = "a,b=map(int,input().split())\nprint(a+b)\n"
+ADD_TESTS = [("2 3\n", "5\n"), ("-4 10\n", "6")]
+
+
+def sandbox_processes():
+    """Live processes of this host's sandbox uids (a uid per concurrent check) or, without them, its descendants."""
+    mode = data.sandbox_mode()
+    base = 1_000_000 + os.getpid() % 4_000_000 * 64
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            st = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status") if ":" in line)
+        except OSError:
+            continue
+        uid, ppid = int(st["Uid"].split()[0]), int(st["PPid"])
+        if st["State"].strip()[0] != "Z" and (base <= uid < base + 64 if mode[1] else ppid == os.getpid()):
+            found.append((pid, st["Name"].strip()))
+    return found
+
+
+@pytest.fixture
+def box_dir(tmp_path, monkeypatch):
+    """Sandboxes' temporary directories go under tmp_path/boxes, so the test can see that they are removed."""
+    boxes = tmp_path / "boxes"
+    boxes.mkdir()
+    monkeypatch.setattr(data.tempfile, "tempdir", str(boxes))
+    return boxes
+
+
+def test_sandbox_is_available():
+    mode = data.sandbox_mode()
+    assert mode is not None, "no sandbox works on this machine"
+    if os.geteuid() == 0:
+        assert mode[1], "as root, programs must run under a uid of their own"
+    assert data.check_program(ADD, ADD_TESTS, LIMIT)
+
+
+SECRET = "hunter2-not-a-real-secret"
+HOSTILE = {  # name -> program; the tests below say what it must print, so a program that got through would pass
+    "endless loop": "while True:\n    pass\n",
+    "sleep": "import time\ntime.sleep(60)\nprint(5)\n",
+    "fork bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+    "fork and setsid": "import os, time\nfor _ in range(20):\n    if os.fork() == 0:\n        os.setsid()\n"
+                       "        time.sleep(60)\n        os._exit(0)\nprint(5)\ntime.sleep(60)\n",
+    "memory hog": "x = bytearray(4 << 30)\nprint(5)\n",
+    "slow memory hog": "x = []\nwhile True:\n    x.append(' ' * (1 << 20))\n",
+    "huge output": "while True:\n    print('x' * 100000)\n",
+    "huge line": "print('5' + ' ' * (1 << 22) + '5')\n",
+    "write outside": "open({outside!r}, 'w').write('pwned')\nprint(5)\n",
+    "os.open outside": "import os\nos.write(os.open({outside!r}, os.O_WRONLY | os.O_CREAT), b'x')\nprint(5)\n",
+    "write own dir": "open('pwned.txt', 'w').write('x')\nprint(5)\n",
+    "env secret": "import os\nprint(os.environ.get('SCALERL_FAKE_SECRET', 'none'))\n",
+    "proc environ": "print(open('/proc/self/environ').read() + open('/proc/1/environ').read())\n",
+    "secret file": "print(open({secret_file!r}).read())\n",
+    "network": "import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=0.5)\n"
+               "s.sendall(b'x')\nprint(5)\n",
+    "kill parent": "import os\nos.kill(os.getppid(), 9)\nprint(5)\n",
+    "kill everyone": "import os\nos.kill(-1, 9)\nprint(5)\n",
+    "subprocess": "import subprocess\nprint(subprocess.run(['echo', '5'], capture_output=True).stdout.decode())\n",
+    "ctypes": "import ctypes\nprint(5)\n",
+    "untamper hook": "import sys\nm = sys.modules['__main__']\nm.hook.__defaults__ = (None,) * 9\n"
+                     "open({outside!r}, 'w').write('x')\nprint(5)\n",
+    "slow import": "import torch\nprint(5)\n",
+    "slow import via path": "import sys\nsys.path[:0] = {site!r}\nimport torch\nprint(5)\n",
+    "syntax error": "print(5\n",
+    "exit code": "print(5)\nraise SystemExit(3)\n",
+}
+
+
+def expected(name):
+    return {"env secret": SECRET, "secret file": SECRET, "proc environ": SECRET}.get(name, "5")
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_hostile_program_fails_and_leaves_nothing(name, tmp_path, box_dir, monkeypatch):
+    monkeypatch.setenv("SCALERL_FAKE_SECRET", SECRET)
+    secret_file = tmp_path / "secret.txt"
+    secret_file.write_text(SECRET)
+    os.chmod(secret_file, 0o600)
+    outside = str(tmp_path / "pwned.txt")
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(0.05)
+    site = [p for p in sys.path if "site-packages" in p]
+    program = HOSTILE[name].format(outside=outside, secret_file=str(secret_file), port=server.getsockname()[1],
+                                   site=site)
+    before = set(os.listdir("/tmp"))
+    t0 = time.time()
+    ok = data.check_program(program, [("1 2\n", expected(name))], LIMIT)
+    took = time.time() - t0
+    assert ok is False
+    assert took < LIMIT + SLACK, f"{name}: took {took:.1f} s"
+    time.sleep(0.05)
+    assert sandbox_processes() == [], f"{name}: processes left behind"
+    assert not os.path.exists(outside) and sorted(os.listdir(tmp_path)) == ["boxes", "secret.txt"]
+    assert os.listdir(box_dir) == [], f"{name}: temporary directory left behind"
+    assert not {f for f in set(os.listdir("/tmp")) - before if "pwned" in f}
+    with pytest.raises(socket.timeout):
+        server.accept()  # nobody connected
+    server.close()
+    assert data.check_program(ADD, ADD_TESTS, LIMIT), f"{name}: the next verification failed"
+
+
+def test_good_program_that_leaves_a_process_passes_and_is_cleaned_up(box_dir):
+    program = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\n    os._exit(0)\nprint(5)\n"
+    assert data.check_program(program, [("\n", "5"), ("\n", "5")], LIMIT)
+    time.sleep(0.05)
+    assert sandbox_processes() == [] and os.listdir(box_dir) == []
+
+
+@pytest.mark.parametrize("program, tests, want", [
+    (ADD, ADD_TESTS, True),
+    ("import sys\na, b = map(int, sys.stdin.read().split())\nprint(a + b, ' ')\n", ADD_TESTS, True),  # trailing space
+    ("a,b=map(int,open(0).read().split())\nprint(a+b)\nprint()\n", ADD_TESTS, True),  # open(0) and trailing blank line
+    ("import math, collections, heapq\nprint(math.gcd(*map(int, input().split())) * 0 + 5)\n", [("3 6", "5")], True),
+    ("a,b=map(int,input().split())\nprint(a-b)\n", ADD_TESTS, False),
+    ("a,b=map(int,input().split())\nprint(a+b if a > 0 else 0)\n", ADD_TESTS, False),  # wrong on the second test only
+    ("print(5)\nprint(6)\n", [("", "5")], False),  # extra output
+    ("", ADD_TESTS, False), (ADD, [], False), (None, ADD_TESTS, False), (ADD, [("1 2",)], False),
+    ("print('é')\n", [("", "é")], True),
+])
+def test_right_and_wrong_programs(program, tests, want):
+    assert data.check_program(program, tests, LIMIT) is want
+
+
+def test_checks_run_in_parallel():
+    slow = "import time\ntime.sleep(0.4)\na,b=map(int,input().split())\nprint(a+b)\n"
+    t0 = time.time()
+    assert data.parallel_map(lambda _: data.check_program(slow, ADD_TESTS[:1], LIMIT), range(4)) == [True] * 4
+    if data.CODE_WORKERS >= 4:
+        assert time.time() - t0 < 4 * 0.4  # overlapped, not one after another
+
+
+def test_checks_from_many_threads_do_not_mix():
+    programs = [(f"print(int(input()) + {k})\n", [(f"{i}\n", f"{i + k}\n") for i in range(3)]) for k in range(12)]
+    out = data.parallel_map(lambda pt: data.check_program(pt[0], pt[1], LIMIT), programs)
+    assert out == [True] * 12
+    swapped = [(programs[k][0], programs[(k + 1) % 12][1]) for k in range(12)]
+    assert data.parallel_map(lambda pt: data.check_program(pt[0], pt[1], LIMIT), swapped) == [False] * 12
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 2. The built-in code task
+
+
+def program_of(p):
+    return data.format_target(p).split(data.THINK_CLOSE, 1)[1]
+
+
+def computes(p):
+    """Whether the expression the program prints gives the expected output on every hidden test (by eval)."""
+    expr = program_of(p).split("print(", 1)[1][:-1]
+    return all(eval(expr, dict(zip("ab", map(int, i.split())))) == int(o) for i, o in data.code_tests(p.answer))
+
+
+def test_builtin_reference_programs_pass_and_slipped_ones_fail():
+    good = data.code_problems(40, seed=3)
+    assert [data.check_program(program_of(p), data.code_tests(p.answer)) for p in good] == [True] * 40
+    bad = data.code_problems(40, seed=3, error_rate=1.0)  # the same questions, every step slipped
+    assert [p.question for p in bad] == [p.question for p in good]
+    verdicts = [data.check_program(program_of(p), data.code_tests(p.answer)) for p in bad]
+    assert verdicts == [computes(p) for p in bad]  # slips that cancel ("5b-5b" -> "5a-5a") are still right
+    assert verdicts.count(False) >= 36
+
+
+def test_builtin_code_task_shape():
+    ps = data.code_problems(60, seed=0, error_rate=0.3)
+    assert ps == data.code_problems(60, seed=0, error_rate=0.3) and ps != data.code_problems(60, seed=1, error_rate=0.3)
+    assert {p.level for p in ps} == {1, 2, 3} and all(p.task == "code" for p in ps)
+    assert all(p.trace.count(",") == p.level - 1 for p in ps)
+    assert sum(program_of(p) != program_of(q) for p, q in zip(ps, data.code_problems(60, seed=0))) > 5  # some slipped
+    for p in ps:  # the tiny model's characters cover prompts and targets; the answer budget covers the program
+        text = data.format_prompt(p.question) + data.format_target(p)
+        assert set(text.replace(data.THINK_OPEN, "").replace(data.THINK_CLOSE, "")) <= set(
+            data.CODE_CHARS + data.ARITH_CHARS)
+        assert len(program_of(p)) < data.CODE_ANSWER_TOKENS
+        assert len(data.code_tests(p.answer)) == 3
+    train, val = data.load_problems("code", n_val=40, n_train=200)
+    assert not {p.question for p in train} & {p.question for p in val}  # the hashed split
+    assert not {p.id for p in train} & {p.id for p in val}
+    with pytest.raises(ValueError, match="code levels"):
+        data.code_problems(3, levels=(4,))
+    with pytest.raises(ValueError, match="unknown options"):
+        data.load_problems("code", n_val=2, nope=1)
+
+
+@pytest.mark.parametrize("completion, want", [
+    ("3*a</think>a,b=map(int,input().split())\nprint(3*a)", 1.0),
+    ("x</think>Here it is:\n```python\na,b=map(int,input().split())\nprint(3*a)\n```\nDone.", 1.0),
+    ("x</think>```py\na,b=map(int,input().split())\nprint(3*a)", 1.0),  # an unclosed fence
+    ("x</think>a,b=map(int,input().split())\nprint(3*b)", -1.0),
+    ("a,b=map(int,input().split())\nprint(3*a)", -1.0),  # no </think>: no answer
+    ("x</think>", -1.0), (None, -1.0), ("x</think>" + "print(1)\n" * 100000, -1.0),
+])
+def test_code_reward(completion, want):
+    p = data.Problem(0, "f(a,b)=3a", json.dumps([["2 5\n", "6\n"], ["-3 4\n", "-9\n"]]), "code")
+    assert data.reward(p, completion) == want
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 3. DeepCoder-style files, combining sources, the mixture sampler
+
+
+def test_deepcoder_style_file(tmp_path):
+    rows = [dict(problem=f"Print the sum of two numbers plus {i}.", tests=json.dumps(
+        [{"input": "1 2\n", "output": f"{3 + i}\n", "testtype": "stdin"},
+         {"input": "5 5\n", "output": f"{10 + i}\n", "testtype": "stdin"},
+         {"input": "f(1)", "output": "2", "testtype": "functional"}])) for i in range(8)]
+    rows.append(dict(problem="Only a function test.",
+                     tests=json.dumps({"fn_name": "f", "inputs": [[1]], "outputs": [2]})))
+    rows.append(dict(problem="TACO style.", tests=json.dumps({"inputs": ["3\n"], "outputs": ["9\n"]})))
+    rows.append(dict(problem="Broken tests.", tests="{not json"))
+    path = tmp_path / "code.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train, val = data.load_problems(str(path), n_val=2, seed=0)
+    ps = train + val
+    assert len(ps) == 9 and all(p.task == "code" and p.question.endswith(data.CODE_INSTRUCTION) for p in ps)
+    taco = next(p for p in ps if p.question.startswith("TACO"))
+    assert data.code_tests(taco.answer) == [("3\n", "9\n")]
+    p = next(p for p in ps if p.question.startswith("Print the sum of two numbers plus 4."))
+    assert len(data.code_tests(p.answer)) == 2  # the functional test is left out
+    good = "ok</think>```python\na, b = map(int, input().split())\nprint(a + b + 4)\n```"
+    assert data.reward(p, good) == 1.0 and data.reward(p, good.replace("+ 4", "+ 5")) == -1.0
+    (tmp_path / "none.jsonl").write_text(json.dumps(dict(problem="x", tests="[]")) + "\n")
+    with pytest.raises(ValueError, match="no row has stdin/stdout tests"):
+        data.load_problems(str(tmp_path / "none.jsonl"), n_val=1)
+
+
+def test_combine_keeps_ids_unique_and_tasks():
+    train, val = data.combine([data.load_problems("arith", n_val=10, n_train=50),
+                               data.load_problems("code", n_val=10, n_train=50)])
+    ids = [p.id for p in train + val]
+    assert len(ids) == len(set(ids)) == 120
+    assert [p.task for p in val] == ["arith"] * 10 + ["code"] * 10
+    assert data.combine([data.load_problems("arith", n_val=10, n_train=50)]) == data.load_problems(
+        "arith", n_val=10, n_train=50)
+
+
+@pytest.mark.parametrize("code_share", [0.25, 0.5, 0.8])
+def test_mixture_sampler_keeps_its_shares(code_share):
+    train, _ = data.combine([data.load_problems("arith", n_val=10, n_train=300),
+                             data.load_problems("code", n_val=10, n_train=300)])
+    pool = data.MixedPool(train, {"arith": 1 - code_share, "code": code_share}, seed=0)
+    draws = [pool.next().task for _ in range(400)]
+    for k in range(0, 400, 16):  # every batch of 16 prompts holds the share, to within one prompt
+        assert abs(draws[k:k + 16].count("code") - 16 * code_share) <= 1
+    assert abs(draws.count("code") - 400 * code_share) <= 1
+    only = data.MixedPool(train, {"arith": 1.0, "code": 0.0})
+    assert {only.next().task for _ in range(50)} == {"arith"}
+
+
+def test_mixture_keeps_a_curriculum_per_task():
+    train, _ = data.combine([data.load_problems("arith", n_val=5, n_train=20),
+                             data.load_problems("code", n_val=5, n_train=20)])
+    pool = data.MixedPool(train, {"arith": 0.5, "code": 0.5}, seed=0)
+    seen = [pool.next() for _ in range(40)]  # one epoch of each task
+    for p in seen:  # every code prompt passes every time: NPR retires all of them, zero-variance drops their groups
+        assert pool.record(p.id, [1.0] * 4 if p.task == "code" else [1.0, -1.0, -1.0, -1.0]) is (p.task != "code")
+    assert pool.pools["code"].npr_removed == 20 and pool.pools["arith"].npr_removed == 0 and pool.npr_removed == 20
+    assert pool.pools["code"].zero_var_dropped == 20 and pool.pools["arith"].zero_var_dropped == 0
+    with pytest.raises(RuntimeError, match="No-Positive-Resampling"):
+        [pool.next() for _ in range(40)]  # the code pool is empty in its next epoch
+    state = pool.state_dict()
+    again = data.MixedPool(train, {"arith": 0.5, "code": 0.5}, seed=0)
+    again.load_state_dict(json.loads(json.dumps(state)))
+    assert again.state_dict() == json.loads(json.dumps(state))
+    with pytest.raises(KeyError):
+        pool.record(10 ** 9, [1.0, -1.0])
+    with pytest.raises(ValueError, match="tasks"):
+        data.MixedPool(train, {"arith": 1.0}).load_state_dict(state)
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 4. One curve per task
+
+
+def write_log(path, curves):
+    """A metrics.jsonl with eval rows for each task's sigmoid (A, B, C_mid, R0) and the equal-weight overall rate."""
+    rows = []
+    for k, c in enumerate([0.0] + [0.01 * 1.25 ** i for i in range(16)]):
+        row = dict(step=k, device_hours=c, eval=True)
+        for task, (A, B, C_mid, R0) in curves.items():
+            row[f"pass_rate_{task}"] = R0 if c == 0 else float(sigmoid_fit.sigmoid(c, A, B, C_mid, R0))
+        row["pass_rate"] = sum(row[f"pass_rate_{t}"] for t in curves) / len(curves)
+        rows.append(row)
+        rows.append(dict(step=k, device_hours=c, reward=0.0))  # a step row: no pass rate
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_per_task_fit(tmp_path, capsys):
+    run = tmp_path / "mt"
+    run.mkdir()
+    curves = {"arith": (0.9, 1.8, 0.05, 0.4), "code": (0.7, 1.1, 0.02, 0.2)}
+    write_log(run / "metrics.jsonl", curves)
+    assert sigmoid_fit.per_task_metrics(str(run)) == ["pass_rate_arith", "pass_rate_code"]
+    plot = tmp_path / "tasks.png"
+    assert sigmoid_fit.main([str(run), "--per-task", "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert os.path.getsize(plot) > 1000
+    for task, (A, B, C_mid, R0) in curves.items():
+        line = next(ln for ln in out.splitlines() if ln.startswith(f"mt:{task} "))
+        fields = line.split()
+        assert float(fields[4]) == pytest.approx(R0) and float(fields[5]) == pytest.approx(A, abs=0.01)
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "metrics.jsonl").write_text(json.dumps(dict(step=0, device_hours=0.0, pass_rate=0.5)) + "\n")
+    assert sigmoid_fit.main([str(tmp_path / "one"), "--per-task"]) == 2
+    assert "pass_rate_<task>" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_multitask_smoke_run(tmp_path):
+    out = tmp_path / "mt"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "scalerl.py"), "--config", "smoke", "--threads=1",
+                        "--task", "arith+code", "--code_frac=0.5", f"--out_dir={out}"], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    evals = [r for r in rows if "pass_rate" in r]
+    steps = [r for r in rows if "pass_rate" not in r]
+    assert [r["step"] for r in evals] == [0, 2, 4] and len(steps) == 4
+    for r in evals:  # the smoke preset's 8 held-out prompts: 4 per task, the overall rate their mean
+        assert 0 <= r["pass_rate_arith"] <= 1 and 0 <= r["pass_rate_code"] <= 1
+        assert r["pass_rate"] == pytest.approx((r["pass_rate_arith"] + r["pass_rate_code"]) / 2)
+    assert all({"reward_arith", "reward_code"} <= set(r) for r in steps)
+    cfg = json.load(open(out / "config.json"))["config"]
+    assert cfg["task"] == "arith+code" and cfg["answer_budget"] >= data.CODE_ANSWER_TOKENS
+    write_log(out / "metrics.jsonl", {"arith": (0.9, 1.8, 0.05, 0.4), "code": (0.7, 1.1, 0.02, 0.2)})
+    f = subprocess.run([sys.executable, os.path.join(ROOT, "sigmoid_fit.py"), str(out), "--per-task"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert f.returncode == 0 and "mt:arith" in f.stdout and "mt:code" in f.stdout, f.stdout + f.stderr
