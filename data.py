@@ -529,7 +529,6 @@ def hook(event, args, lib=os.path.realpath(os.path.dirname(os.__file__)) + os.se
         raise Err("sandbox: " + event + " is not allowed")
 sys.addaudithook(hook)
 sys.argv = ["prog.py"]
-os.nice(10)  # the host (and its cleanup, should a program spin up many processes) goes first
 os.write(1, b"ready\n")
 for i in range(0, len(fds), 2):
     pid = os.fork()

@@ -78,10 +78,10 @@ class SlotCache:
     the attention layers call `update`, which writes the new keys/values in place and returns the row's history up
     to `upto` (a view, not a copy). This is the only contact point with the model's attention code.
     """
-    def __init__(self, n_layers, slots, kv_heads, max_len, head_dim, dtype):
+    def __init__(self, n_layers, slots, kv_heads, max_len, head_dim, dtype, device="cpu"):
         shape = (slots, kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.rows, self.pos, self.upto = slice(None), None, 0
 
     def update(self, k, v, layer_idx, *args, **kwargs):  # k, v: (R, kv_heads, n, head_dim)
@@ -91,7 +91,7 @@ class SlotCache:
             K[self.rows, :, p:p + n], V[self.rows, :, p:p + n] = k[0], v[0]
             r = slice(self.rows, self.rows + 1)
         else:  # every slot, one new token each at its own position
-            ar = torch.arange(K.shape[0])
+            ar = torch.arange(K.shape[0], device=K.device)
             K[ar, :, self.pos], V[ar, :, self.pos] = k[:, :, 0], v[:, :, 0]
             r = slice(None)
         return K[r, :, :self.upto], V[r, :, :self.upto]
@@ -115,17 +115,17 @@ class TorchEngine:
         self.think_close, self.interrupt_ids = list(think_close_ids), interrupt_ids  # None: interruption off
         if interrupt_ids is not None and list(interrupt_ids[-len(think_close_ids):]) != self.think_close:
             raise ValueError("the interruption phrase must end with the </think> tokens, so the answer budget starts")
-        self.max_prompt = max_prompt
+        self.max_prompt, self.device = max_prompt, next(model.parameters()).device
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.max_len = max_prompt + think_budget[1] + len(interrupt_ids or []) + answer_budget + 1
         self.cache = SlotCache(cfg.num_hidden_layers, slots, cfg.num_key_value_heads, self.max_len, head_dim,
-                               next(model.parameters()).dtype)
+                               next(model.parameters()).dtype, self.device)
         self.slots = [None] * slots      # per slot: dict of the running completion's state, or None
         self.waiting = []                # [sample template, remaining count, prompt's last hidden] in admission order
         self.groups = {}                 # group id -> [samples, n_unfinished]
         self.version = 0
-        self.rng = torch.Generator().manual_seed(seed)  # token sampling
+        self.rng = torch.Generator(self.device).manual_seed(seed)  # token sampling
         self.budget_rng = random.Random(seed)           # thinking budgets
         self.stats = dict(decode_steps=0, busy_slot_steps=0, tokens=0, prefills=0)
 
@@ -165,7 +165,7 @@ class TorchEngine:
         pos = torch.zeros(len(self.slots), dtype=torch.long)
         for i in active:
             tok[i, 0], pos[i] = self.slots[i]["pending"], self.slots[i]["len"]
-        hidden = self._forward(slice(None), tok, pos)[:, -1]  # (S, H)
+        hidden = self._forward(slice(None), tok.to(self.device), pos.to(self.device))[:, -1]  # (S, H)
         self.stats["decode_steps"] += 1
         self.stats["busy_slot_steps"] += len(active)
         done = []
@@ -190,10 +190,10 @@ class TorchEngine:
         n = tokens.shape[1]
         self.cache.rows, self.cache.pos = rows, pos
         self.cache.upto = upto = int(pos.max()) + n
-        qpos = pos[:, None] + torch.arange(n)                               # (R, n)
-        allowed = torch.arange(upto)[None, None, :] <= qpos[:, :, None]     # (R, n, upto)
+        qpos = pos[:, None] + torch.arange(n, device=pos.device)            # (R, n)
+        allowed = torch.arange(upto, device=pos.device)[None, None, :] <= qpos[:, :, None]  # (R, n, upto)
         dtype = self.cache.k[0].dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=pos.device).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
         out = self.model.model(input_ids=tokens, attention_mask=mask, position_ids=qpos,
                                past_key_values=self.cache, use_cache=True)
         return out.last_hidden_state
@@ -213,7 +213,8 @@ class TorchEngine:
             P = len(template.prompt_tokens)
             sibling = next((i for i, s in enumerate(self.slots) if s and s["sample"].group == template.group), None)
             if hidden is None or sibling is None:  # prefill (once per prompt while a sibling still holds its KV)
-                hidden = self._forward(take[0], torch.tensor([template.prompt_tokens]), torch.tensor([0]))[0, -1]
+                hidden = self._forward(take[0], torch.tensor([template.prompt_tokens], device=self.device),
+                                       torch.tensor([0], device=self.device))[0, -1]
                 sibling, self.stats["prefills"] = take[0], self.stats["prefills"] + 1
             for i in take:
                 if i != sibling:
@@ -232,7 +233,8 @@ class TorchEngine:
         are forced, not sampled: no logprob, masked from the loss (App. A.10)."""
         st, phrase = self.slots[i], list(self.interrupt_ids)
         s = st["sample"]
-        self._forward(i, torch.tensor([[st["pending"]] + phrase[:-1]]), torch.tensor([st["len"]]))
+        self._forward(i, torch.tensor([[st["pending"]] + phrase[:-1]], device=self.device),
+                      torch.tensor([st["len"]], device=self.device))
         st["len"] += len(phrase)
         st["pending"], st["think"], st["left"] = phrase[-1], False, self.answer_budget
         s.tokens += phrase
@@ -244,12 +246,12 @@ class TorchEngine:
 
     def _advance(self, idx, hidden, done):
         """Sample each slot's next token, then apply the stop rules and the forced interruption."""
-        tok, logp = self._sample(hidden)
+        tok, logp = (x.tolist() for x in self._sample(hidden))  # one device sync per step
         for j, i in enumerate(idx):
             st = self.slots[i]
             s = st["sample"]
-            t = int(tok[j])
-            s.tokens.append(t), s.logprobs.append(float(logp[j])), s.versions.append(self.version), s.forced.append(False)
+            t = tok[j]
+            s.tokens.append(t), s.logprobs.append(logp[j]), s.versions.append(self.version), s.forced.append(False)
             st["pending"] = t
             self.stats["tokens"] += 1
             st["left"] -= 1
@@ -389,6 +391,8 @@ def dist_init(gen_ranks=0, timeout=60.0, gen_share=0.5):
     if world == 1:
         return Dist(timeout=timeout)
     trainers, generators = roles(world, gen_ranks, gen_share)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # one GPU per rank (NCCL needs it set first)
     # the default group only serves start-up, where rank 0 may spend minutes on the warm start
     dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
                             timeout=timedelta(seconds=max(timeout, 1800)))
@@ -528,7 +532,7 @@ def run_generator(d, engine, *, mode, k, batch_prompts, group_size, new_prompt, 
     `every` (the trainer's checkpoint steps)."""
     shapes = {n: t.shape for n, t in engine.model.state_dict().items()}
     names = sorted(shapes)
-    flat = torch.empty(sum(shapes[n].numel() for n in names))
+    flat = torch.empty(sum(shapes[n].numel() for n in names), device=next(engine.model.parameters()).device)
     received, held, idle, saved = engine.version, None, None, None  # a resumed run starts at the checkpoint's version
     while True:
         stop = counter(d, "stop")  # read before the version: every broadcast published before the stop is received

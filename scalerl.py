@@ -319,7 +319,9 @@ def policy_gradient(policy, groups, cfg, pad_id, rank=0, world=1):
     rewards = torch.tensor([s.reward for s in samples])
     gid = torch.tensor([s.group for s in samples])
     adv = losses.group_advantages(rewards, gid, norm=cfg.adv_norm)  # (N,)
-    ids, att, tmask, gen_logp = rollout_tensors(samples, pad_id)
+    dev = next(policy.parameters()).device
+    ids, att, tmask, gen_logp = (t.to(dev) for t in rollout_tensors(samples, pad_id))
+    adv, gid = adv.to(dev), gid.to(dev)
     weights = losses.aggregation_weights(tmask, gid, how=cfg.agg)  # on the whole batch, sliced per micro-batch
     lengths = att.sum(1).tolist()
     order = sorted(range(len(samples)), key=lengths.__getitem__)  # similar lengths together: little padding
@@ -447,7 +449,7 @@ def plan(cfg):
     else:
         try:
             from transformers import AutoConfig
-            c = AutoConfig.from_pretrained(cfg.model)  # a cached or local config.json only
+            c = AutoConfig.from_pretrained(cfg.model, local_files_only=True)  # never downloads
             shape = (c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.num_attention_heads,
                      c.num_key_value_heads, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
                      c.vocab_size, c.tie_word_embeddings)
@@ -482,9 +484,10 @@ def plan(cfg):
     out += [f"  model {P / 1e9:.2f}B parameters ({L} layers, hidden {H}, {nq}/{nkv} q/kv heads x {hd}, vocab {V:,})",
             f"  per trainer GPU: weights + gradients + AdamW m, v in fp32 = {16 * P / T / gb:.1f} GB "
             f"(16 B/param / {T}), plus activations of {cfg.micro_batch_tokens:,}-token micro-batches",
-            f"  per generator GPU: weights {wb * P / gb:.1f} GB ({cfg.dtype}) + KV cache {kv_tok / 1e6:.2f} MB/token "
-            f"x {seq:,} = {kv_tok * seq / gb:.2f} GB per full sequence, x {flight} in flight = "
-            f"{kv_tok * seq * flight / gb:.1f} GB (min of --slots and (k+1) x {BG} / {G_})"]
+            f"  per generator GPU: weights {wb * P / gb:.1f} GB ({cfg.dtype}); KV cache {kv_tok / 1e6:.3f} MB/token = "
+            f"{kv_tok * seq / gb:.2f} GB per full-length sequence; up to {flight} completions in flight (min of --slots "
+            f"and (k+1) x {BG} / {G_} generators) = {kv_tok * seq * flight / gb:.1f} GB if all reached full length "
+            f"(vLLM pages the cache and queues the rest: 80 GB at 90% holds {max(0, .9 * 80 - wb * P / gb) / (kv_tok * seq / gb):.0f})"]
     return "\n".join(out)
 
 
@@ -563,7 +566,8 @@ def main(cfg):
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         try:
-            tok, model = AutoTokenizer.from_pretrained(cfg.model), AutoModelForCausalLM.from_pretrained(cfg.model)
+            tok = AutoTokenizer.from_pretrained(cfg.model)
+            model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)  # fp32 master weights
         except (OSError, ValueError) as e:  # a hub name offline or unknown, or a path without a model
             fail(f"cannot load --model={cfg.model}: {pipeline_rl.first_line(e)}; pass a local path, or go online "
                  "once so the hub copy is cached")
@@ -579,6 +583,9 @@ def main(cfg):
             pipeline_rl.counter(d, key, n)
     if at or cfg.model == "tiny":
         pipeline_rl.broadcast_from_rank0(d, model)  # every rank starts from rank 0's weights
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else \
+        torch.device("cpu")  # one GPU per rank under torchrun
+    model.to(device)
     body_dtype = getattr(torch, cfg.dtype)
     head_dtype = torch.float32 if cfg.fp32_head else body_dtype
     n_params = sum(p.numel() for p in model.parameters())
@@ -589,7 +596,7 @@ def main(cfg):
         engine_cls = pipeline_rl.VLLMEngine if cfg.engine == "vllm" else pipeline_rl.TorchEngine
         try:
             return engine_cls(
-                gen_model.to(body_dtype), slots=slots, max_prompt=cfg.max_prompt,
+                gen_model.to(device, body_dtype), slots=slots, max_prompt=cfg.max_prompt,
                 think_budget=(cfg.think_min, cfg.think_max), answer_budget=cfg.answer_budget, eos_id=tok.eos_token_id,
                 think_close_ids=encode(tok, data.THINK_CLOSE),
                 interrupt_ids=encode(tok, data.INTERRUPT_PHRASE) if cfg.interrupt else None,

@@ -106,34 +106,45 @@ def fit_row(name, fit, rs):
             f"| {mean('trunc_rate'):.3f} | {mean('zero_var_frac'):.2f} |")
 
 
+def predictability(out):
+    """Fit the default run on its first half, predict the second (errors in pass-rate points)."""
+    C, R, r0 = sigmoid_fit.read_points(os.path.join(out, "scalerl"), compute_key=COMPUTE)
+    ex = sigmoid_fit.extrapolation_check(C, R, r0, fit_fraction=0.5, n_boot=0)
+    full = sigmoid_fit.fit_sigmoid(C, R, r0)
+    sigmoid_fit.plot_runs([dict(label="scalerl, first half", C=C, R=R, R0=r0, fit=ex.fit)],
+                          os.path.join(out, "predictability.png"), xlabel=f"compute ({COMPUTE})")
+    return [f"Fit on C <= {ex.fit.window[1]:.3g} ({ex.n_fit} evals): A={ex.fit.A:.3f} B={ex.fit.B:.2f} "
+            f"C_mid={ex.fit.C_mid:.3g}; on all {full.n_points} evals: A={full.A:.3f} B={full.B:.2f} "
+            f"C_mid={full.C_mid:.3g}. Prediction of the {ex.n_test} later evals: mean |err| "
+            f"{100 * ex.mean_abs_err:.1f} points, max {100 * ex.max_abs_err:.1f}, at the end "
+            f"{100 * ex.final_err:+.1f} (prediction - measured).", "", "![](predictability.png)", ""]
+
+
+def comparison(out, comp, names):
+    """One figure of the runs' fitted curves, and their table rows."""
+    paths = [os.path.join(out, n) for n in names]
+    sigmoid_fit.analyze(paths, plot=os.path.join(out, f"{comp}.png"), compute_key=COMPUTE)
+    lines = ["| run | R0 | final | A ± boot. std | B | C_mid | C end | mismatch_kl | trunc | zero-var |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for n, p in zip(names, paths):
+        C, R, r0 = sigmoid_fit.read_points(p, compute_key=COMPUTE)
+        lines.append(fit_row(n, sigmoid_fit.fit_sigmoid(C, R, r0), rows(p)))
+    return lines + ["", f"![]({comp}.png)", ""]
+
+
 def report(out):
     lines = [f"# Ablations on the tiny task (compute axis: {COMPUTE})", "",
-             f"Regenerate: `python runs/ablations.py` (finished runs are skipped), then this report is rewritten.", ""]
+             "Regenerate: `python runs/ablations.py` (finished runs are skipped), then this report is rewritten.", ""]
     done = {n for n in RUNS if finished(os.path.join(out, n))}
-    if "scalerl" in done:  # predictability: fit the first half, predict the second (pass-rate points)
-        C, R, r0 = sigmoid_fit.read_points(os.path.join(out, "scalerl"), compute_key=COMPUTE)
-        ex = sigmoid_fit.extrapolation_check(C, R, r0, fit_fraction=0.5, n_boot=0)
-        full = sigmoid_fit.fit_sigmoid(C, R, r0)
-        sigmoid_fit.plot_runs([dict(label="scalerl, first half", C=C, R=R, R0=r0, fit=ex.fit)],
-                              os.path.join(out, "predictability.png"), xlabel=f"compute ({COMPUTE})")
-        lines += ["## predictability", "",
-                  f"Fit on C <= {ex.fit.window[1]:.3g} ({ex.n_fit} evals): A={ex.fit.A:.3f} B={ex.fit.B:.2f} "
-                  f"C_mid={ex.fit.C_mid:.3g}; on all {full.n_points} evals: A={full.A:.3f} B={full.B:.2f} "
-                  f"C_mid={full.C_mid:.3g}. Prediction of the {ex.n_test} later evals: mean |err| "
-                  f"{100 * ex.mean_abs_err:.1f} points, max {100 * ex.max_abs_err:.1f}, at the end "
-                  f"{100 * ex.final_err:+.1f} (prediction - measured).", "", "![](predictability.png)", ""]
-    for comp, names in COMPARISONS.items():
-        have = [n for n in names if n in done]
-        if len(have) < 2:
-            continue
-        paths = [os.path.join(out, n) for n in have]
-        sigmoid_fit.analyze(paths, plot=os.path.join(out, f"{comp}.png"), compute_key=COMPUTE)
-        lines += [f"## {comp}", "", "| run | R0 | final | A ± boot. std | B | C_mid | C end | mismatch_kl | trunc "
-                  "| zero-var |", "|---|---|---|---|---|---|---|---|---|---|"]
-        for n, p in zip(have, paths):
-            C, R, r0 = sigmoid_fit.read_points(p, compute_key=COMPUTE)
-            lines.append(fit_row(n, sigmoid_fit.fit_sigmoid(C, R, r0), rows(p)))
-        lines += ["", f"![]({comp}.png)", ""]
+    sections = ([("predictability", lambda: predictability(out))] if "scalerl" in done else []) + [
+        (comp, lambda names=names, comp=comp: comparison(out, comp, [n for n in names if n in done]))
+        for comp, names in COMPARISONS.items() if len([n for n in names if n in done]) >= 2]
+    for title, make in sections:
+        try:
+            body = make()
+        except ValueError as e:  # too few evals, or no rise above R0, to fit
+            body = [f"not fitted: {e}", ""]
+        lines += [f"## {title}", "", *body]
     missing = [n for n in RUNS if n not in done]
     if missing:
         lines.append(f"Not finished yet: {', '.join(missing)}.")
