@@ -747,13 +747,16 @@ def main(cfg):
         parts = [f"{t} {row[f'{key}_{t}']:.3f}" for t in tasks if f"{key}_{t}" in row]
         return f" ({', '.join(parts)})" if parts else ""
 
+    # held-out prompts, built once (an item that cannot be built is skipped with a warning, as in training)
+    val_templates = [t for i, p in enumerate(val) if (t := build_prompt(p, -1 - i))] if d.rank == 0 else []
+    if d.rank == 0 and not val_templates:
+        fail(f"none of the {len(val)} held-out prompts could be built (see the warnings); check --task and --max_prompt")
+
     def evaluate(weights):
         """mean@k pass rate on the held-out prompts, with the trainer's current weights (not on the compute axis)."""
         eval_engine.load_weights(weights, sched.version)
         eval_engine.rng.manual_seed(cfg.seed + 7919 * step)
-        templates = [pipeline_rl.Sample(p.id, -1 - i, encode(tok, data.format_prompt(p.question, tok)), meta=p)
-                     for i, p in enumerate(val)]
-        groups = eval_engine.generate(templates, cfg.eval_samples)
+        groups = eval_engine.generate(val_templates, cfg.eval_samples)
         samples = [s for g in groups for s in g]
         passed = np.array(data.parallel_map(safe_reward, samples)) > 0
         out = dict(pass_rate=float(passed.mean()))  # with several tasks also pass_rate_<task>: one curve each (Sec. 7)

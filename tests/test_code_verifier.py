@@ -25,7 +25,8 @@ import data
 import sigmoid_fit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LIMIT, SLACK = 1.0, 2.5  # seconds per test; slack for interpreter start-up on a busy machine
+LIMIT, SLACK = 1.0, 3.0  # hostile programs: seconds per test; slack for start-up and cleanup on a busy machine
+OK_LIMIT = 5.0  # programs that must pass: generous, so a loaded machine does not fail them
 ADD = "a,b=map(int,input().split())\nprint(a+b)\n"
 ADD_TESTS = [("2 3\n", "5\n"), ("-4 10\n", "6")]
 
@@ -60,7 +61,7 @@ def test_sandbox_is_available():
     assert mode is not None, "no sandbox works on this machine"
     if os.geteuid() == 0:
         assert mode[1], "as root, programs must run under a uid of their own"
-    assert data.check_program(ADD, ADD_TESTS, LIMIT)
+    assert data.check_program(ADD, ADD_TESTS, OK_LIMIT)
 
 
 SECRET = "hunter2-not-a-real-secret"
@@ -127,12 +128,12 @@ def test_hostile_program_fails_and_leaves_nothing(name, tmp_path, box_dir, monke
     with pytest.raises(socket.timeout):
         server.accept()  # nobody connected
     server.close()
-    assert data.check_program(ADD, ADD_TESTS, LIMIT), f"{name}: the next verification failed"
+    assert data.check_program(ADD, ADD_TESTS, OK_LIMIT), f"{name}: the next verification failed"
 
 
 def test_good_program_that_leaves_a_process_passes_and_is_cleaned_up(box_dir):
     program = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\n    os._exit(0)\nprint(5)\n"
-    assert data.check_program(program, [("\n", "5"), ("\n", "5")], LIMIT)
+    assert data.check_program(program, [("\n", "5"), ("\n", "5")], OK_LIMIT)
     time.sleep(0.05)
     assert sandbox_processes() == [] and os.listdir(box_dir) == []
 
@@ -149,23 +150,22 @@ def test_good_program_that_leaves_a_process_passes_and_is_cleaned_up(box_dir):
     ("print('é')\n", [("", "é")], True),
 ])
 def test_right_and_wrong_programs(program, tests, want):
-    assert data.check_program(program, tests, LIMIT) is want
+    assert data.check_program(program, tests, OK_LIMIT) is want
 
 
 def test_checks_run_in_parallel():
-    slow = "import time\ntime.sleep(0.4)\na,b=map(int,input().split())\nprint(a+b)\n"
+    slow = "import time\ntime.sleep(1.5)\na,b=map(int,input().split())\nprint(a+b)\n"
     t0 = time.time()
-    assert data.parallel_map(lambda _: data.check_program(slow, ADD_TESTS[:1], LIMIT), range(4)) == [True] * 4
-    if data.CODE_WORKERS >= 4:
-        assert time.time() - t0 < 4 * 0.4  # overlapped, not one after another
+    assert data.parallel_map(lambda _: data.check_program(slow, ADD_TESTS[:1], OK_LIMIT), range(4)) == [True] * 4
+    assert data.CODE_WORKERS >= 4 and time.time() - t0 < 4 * 1.5  # side by side, not one after another
 
 
 def test_checks_from_many_threads_do_not_mix():
     programs = [(f"print(int(input()) + {k})\n", [(f"{i}\n", f"{i + k}\n") for i in range(3)]) for k in range(12)]
-    out = data.parallel_map(lambda pt: data.check_program(pt[0], pt[1], LIMIT), programs)
+    out = data.parallel_map(lambda pt: data.check_program(pt[0], pt[1], OK_LIMIT), programs)
     assert out == [True] * 12
     swapped = [(programs[k][0], programs[(k + 1) % 12][1]) for k in range(12)]
-    assert data.parallel_map(lambda pt: data.check_program(pt[0], pt[1], LIMIT), swapped) == [False] * 12
+    assert data.parallel_map(lambda pt: data.check_program(pt[0], pt[1], OK_LIMIT), swapped) == [False] * 12
 
 # ---------------------------------------------------------------------------------------------------------------------
 # 2. The built-in code task
@@ -183,10 +183,10 @@ def computes(p):
 
 def test_builtin_reference_programs_pass_and_slipped_ones_fail():
     good = data.code_problems(40, seed=3)
-    assert [data.check_program(program_of(p), data.code_tests(p.answer)) for p in good] == [True] * 40
+    assert [data.check_program(program_of(p), data.code_tests(p.answer), OK_LIMIT) for p in good] == [True] * 40
     bad = data.code_problems(40, seed=3, error_rate=1.0)  # the same questions, every step slipped
     assert [p.question for p in bad] == [p.question for p in good]
-    verdicts = [data.check_program(program_of(p), data.code_tests(p.answer)) for p in bad]
+    verdicts = [data.check_program(program_of(p), data.code_tests(p.answer), OK_LIMIT) for p in bad]
     assert verdicts == [computes(p) for p in bad]  # slips that cancel ("5b-5b" -> "5a-5a") are still right
     assert verdicts.count(False) >= 36
 
@@ -219,7 +219,7 @@ def test_builtin_code_task_shape():
     ("x</think>a,b=map(int,input().split())\nprint(3*b)", -1.0),
     ("a,b=map(int,input().split())\nprint(3*a)", -1.0),  # no </think>: no answer
     ("x</think>", -1.0), (None, -1.0), ("x</think>" + "print(1)\n" * 100000, -1.0),
-])
+], ids=lambda x: repr(x)[:40] if isinstance(x, str) else None)
 def test_code_reward(completion, want):
     p = data.Problem(0, "f(a,b)=3a", json.dumps([["2 5\n", "6\n"], ["-3 4\n", "-9\n"]]), "code")
     assert data.reward(p, completion) == want

@@ -139,6 +139,32 @@ def test_reward_errors_are_counted_not_fatal(base, monkeypatch, capsys):
     assert counts == sorted(counts) and counts[-1] > 0  # cumulative
     assert torch.load(out / "ckpt.pt", weights_only=True)["reward_errors"] == len(raised)  # eval failures included
 
+
+def test_prompts_that_cannot_be_built_are_skipped_and_counted(base, monkeypatch, capsys):
+    """A data item whose prompt cannot be built (format_prompt raises on it) or is longer than --max_prompt is
+    skipped with one warning naming it, counted in bad_prompts, kept in the checkpoint, and the run finishes."""
+    real, raised = data.format_prompt, set()
+
+    def broken(question, tokenizer=None):
+        if sum(map(ord, question)) % 4 == 0:
+            raised.add(question)
+            raise UnicodeError("cannot encode this item")
+        return real(question, tokenizer)
+    tok = scalerl.char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=")
+    train, val = data.load_problems("arith", n_val=8, n_train=200)
+    lengths = sorted(len(scalerl.encode(tok, real(p.question, tok))) for p in train + val)
+    limit = lengths[len(lengths) * 3 // 4]  # a quarter of the items are too long
+    monkeypatch.setattr(data, "format_prompt", broken)
+    out = base / "bad_prompts"
+    main_smoke(out, f"--max_prompt={limit}")
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "pass_rate" not in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and raised
+    warnings = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("warning: skipped prompt")]
+    assert len(warnings) == len(set(warnings)) == rows[-1]["bad_prompts"]  # each item once, every one counted
+    assert any("UnicodeError: cannot encode this item" in w for w in warnings)
+    assert any(f"over --max_prompt={limit}" in w for w in warnings)
+    assert len(torch.load(out / "ckpt.pt", weights_only=True)["bad_prompts"]) == rows[-1]["bad_prompts"]
+
 # ---------------------------------------------------------------------------------------------------------------------
 # 3. Bad invocations against an existing run directory
 
