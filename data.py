@@ -31,6 +31,7 @@ Run `python data.py` to print a few built-in problems, their prompt and their su
 """
 import atexit
 import concurrent.futures
+import contextlib
 import functools
 import importlib.util
 import json
@@ -594,23 +595,30 @@ def _run_tests(program, tests, time_limit, mem, cap, mode):
             if len(got) > cap or _lines(got.decode(errors="replace")) != _lines(want):
                 return False
         return True
-    finally:  # kill the process group (with a PID namespace the kernel kills the rest), then sweep: what left the
-        if p is not None:  # group by setsid() still has the sandbox's uid, or its directory (chdir is refused)
-            try:
-                os.killpg(p.pid, 9)
-            except OSError:
-                pass
-            p.wait(), p.stdout.close()
-            for _ in range(200):
-                strays = _procs(lambda pid, st: st["State"].split()[0] != "Z" and (
-                    int(st["Uid"].split()[0]) == uid or os.readlink(f"/proc/{pid}/cwd") == box))
-                [os.kill(pid, 9) for pid, _ in strays]
-                if not strays:
-                    break
-                time.sleep(0.005)
-        [f.close() for f in files]
-        shutil.rmtree(box, ignore_errors=True)
-        _SLOTS.put(slot)
+    finally:
+        try:
+            _end(p, uid, box) if p is not None else None
+        finally:
+            [f.close() for f in files]
+            shutil.rmtree(box, ignore_errors=True)
+            _SLOTS.put(slot)
+
+
+def _end(p, uid, box):
+    """Kill a sandbox's process group (with a PID namespace the kernel then kills the rest), then sweep: what left
+    the group by setsid() still has the sandbox's uid, or its directory as working directory (chdir is refused)."""
+    with contextlib.suppress(OSError):
+        os.killpg(p.pid, 9)
+    p.wait(), p.stdout.close()
+    for _ in range(200):
+        strays = _procs(lambda pid, st: st["State"].split()[0] != "Z" and (
+            int(st["Uid"].split()[0]) == uid or os.readlink(f"/proc/{pid}/cwd") == box))
+        for pid, _ in strays:
+            with contextlib.suppress(OSError):  # it may have died since the scan
+                os.kill(pid, 9)
+        if not strays:
+            break
+        time.sleep(0.005)
 
 
 def _lines(text):
@@ -644,8 +652,9 @@ def check_program(program, tests, time_limit=CODE_TIME_LIMIT, memory_mb=512, out
         mode = sandbox_mode()
         if mode is None or not isinstance(program, str) or not program.strip() or not tests:
             return False
-        return _run_tests(program, [(str(i), str(o)) for i, o in tests], float(time_limit), memory_mb << 20,
-                          output_bytes, mode)
+        tests = [(str(i), str(o)) for i, o in tests]  # 16 tests per interpreter: two open files each
+        return all(_run_tests(program, tests[k:k + 16], float(time_limit), memory_mb << 20, output_bytes, mode)
+                   for k in range(0, len(tests), 16))
     except Exception:  # noqa: BLE001 -- a verifier never takes down the run
         return False
 
@@ -786,3 +795,5 @@ if __name__ == "__main__":
         for p in arith_problems(5, seed=0, error_rate=0.2):
             print(f"level {p.level} ok={trace_is_correct(p)} {format_prompt(p.question)!r} -> {format_target(p)!r}")
         print(f"ARITH_CHARS ({len(ARITH_CHARS)}): {ARITH_CHARS!r}")
+        for p in code_problems(3, seed=0, error_rate=0.3):
+            print(f"code level {p.level} {format_prompt(p.question)!r} -> {format_target(p)!r}, tests {p.answer}")

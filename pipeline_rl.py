@@ -700,8 +700,9 @@ class VLLMEngine:
         if dist.is_initialized() and dist.get_world_size() > 1:  # its in-process worker would join the job's group
             raise ValueError("the vLLM engine runs in a single process; under torchrun use the torch engine")
         self.max_len = max_prompt + think_budget[1] + len(interrupt_ids or []) + answer_budget + 1
-        self.params = partial(SamplingParams, temperature=temperature, logprobs=0, stop_token_ids=[eos_id],
-                              detokenize=False, output_kind=RequestOutputKind.DELTA)  # + max_tokens, seed
+        self.params = partial(  # + max_tokens, seed. EOS is ours, not the config's (the tiny model's says 2)
+            SamplingParams, temperature=temperature, logprobs=0, ignore_eos=True, stop_token_ids=[eos_id],
+            detokenize=False, output_kind=RequestOutputKind.DELTA)
         cfg, dtype = model.config, next(model.parameters()).dtype
         kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (
             getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads) * dtype.itemsize
@@ -764,6 +765,8 @@ class VLLMEngine:
             for t, lp in zip(c.token_ids, c.logprobs):  # one token per step (no async scheduling)
                 if self._advance(o.request_id, st, t, lp[t].logprob, done):
                     break  # finished or resubmitted
+            if o.finished and self.live.get(o.request_id) is st:  # would wait forever: must not happen
+                raise RuntimeError(f"vLLM ended request {o.request_id} ({c.finish_reason}) before the stop rules")
         return done
 
     # -- internals ---------------------------------------------------------------------------------------------------

@@ -761,7 +761,8 @@ def main(cfg):
         passed = np.array(data.parallel_map(safe_reward, samples)) > 0
         out = dict(pass_rate=float(passed.mean()))  # with several tasks also pass_rate_<task>: one curve each (Sec. 7)
         for t in tasks if len(tasks) > 1 else []:
-            out[f"pass_rate_{t}"] = float(passed[[s.meta.task == t for s in samples]].mean())
+            mine = passed[[s.meta.task == t for s in samples]]
+            out.update({f"pass_rate_{t}": float(mine.mean())} if mine.size else {})
         return out
 
     def train_step(groups):

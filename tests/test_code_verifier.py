@@ -29,6 +29,7 @@ LIMIT, SLACK = 1.0, 3.0  # hostile programs: seconds per test; slack for start-u
 OK_LIMIT = 5.0  # programs that must pass: generous, so a loaded machine does not fail them
 ADD = "a,b=map(int,input().split())\nprint(a+b)\n"
 ADD_TESTS = [("2 3\n", "5\n"), ("-4 10\n", "6")]
+MANY = [(f"{i} 1\n", f"{i + 1}\n") for i in range(40)]  # 16 tests per sandboxed interpreter: three of them
 
 
 def sandbox_processes():
@@ -148,6 +149,7 @@ def test_good_program_that_leaves_a_process_passes_and_is_cleaned_up(box_dir):
     ("print(5)\nprint(6)\n", [("", "5")], False),  # extra output
     ("", ADD_TESTS, False), (ADD, [], False), (None, ADD_TESTS, False), (ADD, [("1 2",)], False),
     ("print('é')\n", [("", "é")], True),
+    (ADD, MANY, True), (ADD.replace("a+b", "a+b if a != 35 else 0"), MANY, False),  # wrong in the third interpreter
 ])
 def test_right_and_wrong_programs(program, tests, want):
     assert data.check_program(program, tests, OK_LIMIT) is want

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 vllm = pytest.importorskip("vllm")
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::FutureWarning")]  # vLLM's own, on import
 
 import data  # noqa: E402
 import pipeline_rl  # noqa: E402
