@@ -23,6 +23,7 @@ In one process everything is deterministic: the scheduler interleaves `decode_pe
 optimizer step, standing in for the generator/trainer speed ratio of a real cluster.
 """
 from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 import contextlib
 import os
@@ -523,17 +524,29 @@ def recv_groups(d, src):
     return pickle.loads(data.numpy().tobytes())
 
 
-def run_generator(d, engine, *, mode, k, batch_prompts, group_size, new_prompt, score, info, save=None, every=0):
+def run_generator(d, engine, *, mode, k, batch_prompts, group_size, new_prompt, rewards, record, info, save=None,
+                  every=0):
     """A generator rank until trainer rank 0 says stop. Between decode steps: receive every weight version published
     since the last step (in flight, Sec. 3.1; PPO-off-policy loads only every k-th), admit groups while the engine has
-    room and the job-wide lag bound allows (ids from one atomic counter shared by all generators), then send the
-    groups that finished, scored (`score(group)` -> kept), with `info()` (curriculum figures) to trainer rank 0.
+    room and the job-wide lag bound allows (ids from one atomic counter shared by all generators). Finished groups
+    are scored on a worker thread (`rewards(groups)`; code checks are slow) while decoding goes on, then recorded in
+    the curriculum in order (`record(group)` -> kept) and sent with `info()` (curriculum figures) to trainer rank 0.
     `save(version)` keeps this rank's curriculum for --resume whenever it takes a version that is a multiple of
     `every` (the trainer's checkpoint steps)."""
     shapes = {n: t.shape for n, t in engine.model.state_dict().items()}
     names = sorted(shapes)
     flat = torch.empty(sum(shapes[n].numel() for n in names), device=next(engine.model.parameters()).device)
     received, held, idle, saved = engine.version, None, None, None  # a resumed run starts at the checkpoint's version
+    scorer, scoring = ThreadPoolExecutor(1, thread_name_prefix="score"), []  # [(future, groups)] in finishing order
+
+    def send_scored(wait):
+        while scoring and (wait or scoring[0][0].done()):
+            future, groups = scoring.pop(0)
+            future.result()
+            items = [(record(g), g) for g in groups]
+            for s in (s for g in groups for s in g):
+                s.meta = None  # the trainer needs tokens, logprobs, versions and rewards, not the problem
+            send_groups(d, (items, info()))
     while True:
         stop = counter(d, "stop")  # read before the version: every broadcast published before the stop is received
         for v in range(received + 1, counter(d, "version") + 1):
@@ -546,6 +559,7 @@ def run_generator(d, engine, *, mode, k, batch_prompts, group_size, new_prompt, 
         if save and received != saved and received % every == 0:
             save(received)
             saved = received
+        send_scored(wait=bool(stop))
         if stop:
             break
         dropped = counter(d, "dropped")
@@ -567,10 +581,8 @@ def run_generator(d, engine, *, mode, k, batch_prompts, group_size, new_prompt, 
         done = engine.step()
         counter(d, "gen_us", int((time.time() - t) * 1e6)), counter(d, "gen_tokens", engine.stats["tokens"] - n)
         if done:
-            items = [(score(g), g) for g in done]
-            for s in (s for g in done for s in g):
-                s.meta = None  # the trainer needs tokens, logprobs, versions and rewards, not the problem
-            send_groups(d, (items, info()))
+            scoring.append((scorer.submit(rewards, done), done))
+    scorer.shutdown()
     send_groups(d, None)  # trainer rank 0's receiver for this rank stops
 
 

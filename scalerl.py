@@ -645,16 +645,19 @@ def main(cfg):
                       f"{type(e).__name__}: {pipeline_rl.first_line(e)}; counted as -1", flush=True)
             return -1.0
 
-    def score_all(groups):
-        """Reward every completion of the groups at once (code runs in parallel sandboxes), then record each group in
-        the curriculum in order; for each group, True if it is kept for the loss."""
+    def reward_all(groups):
+        """Reward every completion of the groups at once (code runs in parallel sandboxes)."""
         samples = [s for g in groups for s in g]
         for s, r in zip(samples, data.parallel_map(safe_reward, samples)):
             s.reward = r
-        return [pool.record(g[0].prompt_id, [s.reward for s in g]) for g in groups]
 
-    def score(g):
-        return score_all([g])[0]
+    def record(g):
+        """Record a scored group in the curriculum; True if it is kept for the loss (zero-variance filter)."""
+        return pool.record(g[0].prompt_id, [s.reward for s in g])
+
+    def score_all(groups):
+        reward_all(groups)
+        return [record(g) for g in groups]
 
     if generator:  # a generator rank's whole job
         gen_path = os.path.join(cfg.out_dir, f"generator{d.rank}.pt")  # its curriculum and sampling state
@@ -675,7 +678,7 @@ def main(cfg):
             else:
                 print(f"warning: {gen_path} is missing: generator rank {d.rank} restarts its curriculum", flush=True)
         pipeline_rl.run_generator(d, engine, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
-                                  group_size=cfg.group_size, new_prompt=new_prompt, score=score,
+                                  group_size=cfg.group_size, new_prompt=new_prompt, rewards=reward_all, record=record,
                                   info=lambda: dict(npr_removed=pool.npr_removed, epoch=pool.epoch,
                                                   reward_errors=reward_errors[0], bad_prompts=len(bad_prompts)),
                                   save=save_generator, every=cfg.ckpt_every)
