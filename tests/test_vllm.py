@@ -190,3 +190,22 @@ def test_reward_rises_with_vllm_engine(tmp_path):
     first, last = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
     assert last - first > 0.15, (first, last, reward)
     assert all(r["lag_max"] <= 1 for r in rows if "lag_max" in r)
+
+
+@pytest.mark.slow
+def test_torchrun_generator_rank_on_vllm(tmp_path):
+    """Under torchrun the vLLM engine core runs in a child process of its rank (a second torch.distributed world
+    cannot live in the rank's own process); weights reach it in flight after every optimizer step."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "scalerl.py",
+           "--config=smoke", "--threads=1", "--engine=vllm", f"--out_dir={out}", "--max_steps=6", "--eval_every=3",
+           "--zero_var_filter=false"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "generator ranks [1]" in p.stdout and "engine vllm" in p.stdout
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    train = [r for r in rows if "reward" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6] and all(r["train_tokens"] > 0 for r in train)
+    assert all(r["policy_version"] == r["step"] and r["lag_max"] <= 2 for r in train)
+    assert any(r["lag_max"] >= 1 for r in train)  # the generator went on while the trainer stepped
