@@ -102,6 +102,46 @@ class SlotCache:
             K[dst, :, :n], V[dst, :, :n] = K[src, :, :n], V[src, :, :n]
 
 
+def take_token(eng, st, t, logp):
+    """Both engines: record one sampled token of the completion whose state is `st`, then apply the stop rules.
+    Returns "done" (EOS, or a budget ran out), "interrupt" (the thinking budget: the phrase comes next) or None."""
+    s = st["sample"]
+    s.tokens.append(t), s.logprobs.append(logp), s.versions.append(eng.version), s.forced.append(False)
+    eng.stats["tokens"] += 1
+    st["left"] -= 1
+    if t == eng.eos_id:
+        return "done"
+    if st["think"] and s.tokens[-len(eng.think_close):] == eng.think_close:
+        st["think"], st["left"] = False, eng.answer_budget  # thinking closed: the answer budget starts
+    elif st["left"] <= 0:
+        if st["think"] and eng.interrupt_ids is not None:
+            return "interrupt"
+        s.truncated = True  # the answer budget ran out, or thinking did with the interruption off (a hard stop)
+        return "done"
+    return None
+
+
+def force_phrase(eng, st):
+    """Both engines: the interruption phrase (ending in </think>) appended as forced tokens, not sampled: no
+    logprob, masked from the loss (App. A.10). The answer budget starts after it."""
+    s, phrase = st["sample"], list(eng.interrupt_ids)
+    s.tokens += phrase
+    s.logprobs += [0.0] * len(phrase)
+    s.versions += [eng.version] * len(phrase)
+    s.forced += [True] * len(phrase)
+    s.interrupted, st["think"], st["left"] = True, False, eng.answer_budget
+    eng.stats["tokens"] += len(phrase)
+
+
+def group_done(eng, s, done):
+    """Both engines: `s` has finished; with its group's last completion the whole group goes to `done`."""
+    g = eng.groups[s.group]
+    g[0].append(s)
+    g[1] -= 1
+    if g[1] == 0:
+        done.append(eng.groups.pop(s.group)[0])
+
+
 class TorchEngine:
     """Continuous-batching KV-cache sampler for a `transformers` causal LM, with in-flight weight loads.
 
@@ -230,49 +270,26 @@ class TorchEngine:
                 self.waiting[0][1:] = [n - len(take), hidden]
 
     def _interrupt(self, i):
-        """Thinking hit its budget: write the phrase (ending in </think>) into the slot in one forward. Its tokens
-        are forced, not sampled: no logprob, masked from the loss (App. A.10)."""
+        """Thinking hit its budget: write the phrase into the slot's KV cache in one forward (forced tokens)."""
         st, phrase = self.slots[i], list(self.interrupt_ids)
-        s = st["sample"]
         self._forward(i, torch.tensor([[st["pending"]] + phrase[:-1]], device=self.device),
                       torch.tensor([st["len"]], device=self.device))
         st["len"] += len(phrase)
-        st["pending"], st["think"], st["left"] = phrase[-1], False, self.answer_budget
-        s.tokens += phrase
-        s.logprobs += [0.0] * len(phrase)
-        s.versions += [self.version] * len(phrase)
-        s.forced += [True] * len(phrase)
-        s.interrupted = True
-        self.stats["tokens"] += len(phrase)
+        st["pending"] = phrase[-1]
+        force_phrase(self, st)
 
     def _advance(self, idx, hidden, done):
         """Sample each slot's next token, then apply the stop rules and the forced interruption."""
         tok, logp = (x.tolist() for x in self._sample(hidden))  # one device sync per step
         for j, i in enumerate(idx):
             st = self.slots[i]
-            s = st["sample"]
-            t = tok[j]
-            s.tokens.append(t), s.logprobs.append(logp[j]), s.versions.append(self.version), s.forced.append(False)
-            st["pending"] = t
-            self.stats["tokens"] += 1
-            st["left"] -= 1
-            finished = t == self.eos_id
-            if st["think"] and s.tokens[-len(self.think_close):] == self.think_close:
-                st["think"], st["left"] = False, self.answer_budget  # thinking closed: the answer budget starts
-            elif st["think"] and st["left"] <= 0 and not finished:
-                if self.interrupt_ids is None:
-                    finished = s.truncated = True  # no interruption: the thinking budget is a hard stop
-                else:
-                    self._interrupt(i)
-            elif not st["think"] and st["left"] <= 0 and not finished:
-                finished = s.truncated = True
-            if finished:
+            st["pending"] = tok[j]
+            what = take_token(self, st, tok[j], logp[j])
+            if what == "interrupt":
+                self._interrupt(i)
+            elif what == "done":
                 self.slots[i] = None
-                g = self.groups[s.group]
-                g[0].append(s)
-                g[1] -= 1
-                if g[1] == 0:
-                    done.append(self.groups.pop(s.group)[0])
+                group_done(self, st["sample"], done)
 
 
 def admission_limit(mode, version, k, B, dropped):
@@ -803,42 +820,16 @@ class VLLMEngine:
                              self.params(max_tokens=max_tokens, seed=seed))
         self.live[rid], self.requests, self.stats["prefills"] = st, self.requests + 1, self.stats["prefills"] + 1
 
-    def _finish(self, rid, st, done):
+    def _advance(self, rid, st, t, logp, done):
+        """One sampled token through the shared stop rules; True if the request ended (finished or resubmitted)."""
+        what = take_token(self, st, t, logp)
+        if what is None:
+            return False
         self.llm.abort_request([rid])  # a no-op where vLLM stopped it already (EOS, max_tokens)
         del self.live[rid]
-        s = st["sample"]
-        g = self.groups[s.group]
-        g[0].append(s)
-        g[1] -= 1
-        if g[1] == 0:
-            done.append(self.groups.pop(s.group)[0])
-
-    def _advance(self, rid, st, t, logp, done):
-        """TorchEngine._advance for one sampled token; True if the request ended (finished or resubmitted)."""
-        s = st["sample"]
-        s.tokens.append(t), s.logprobs.append(logp), s.versions.append(self.version), s.forced.append(False)
-        self.stats["tokens"] += 1
-        st["left"] -= 1
-        finished = t == self.eos_id
-        if st["think"] and s.tokens[-len(self.think_close):] == self.think_close:
-            st["think"], st["left"] = False, self.answer_budget  # thinking closed: the answer budget starts
-        elif st["think"] and st["left"] <= 0 and not finished:
-            if self.interrupt_ids is None:
-                finished = s.truncated = True  # no interruption: the thinking budget is a hard stop
-            else:  # the phrase as forced tokens (no logprob, masked from the loss), then the answer budget
-                phrase = list(self.interrupt_ids)
-                s.tokens += phrase
-                s.logprobs += [0.0] * len(phrase)
-                s.versions += [self.version] * len(phrase)
-                s.forced += [True] * len(phrase)
-                s.interrupted, st["think"], st["left"] = True, False, self.answer_budget
-                self.stats["tokens"] += len(phrase)
-                self.llm.abort_request([rid])
-                del self.live[rid]
-                self._submit(st, self.answer_budget)
-                return True
-        elif not st["think"] and st["left"] <= 0 and not finished:
-            finished = s.truncated = True
-        if finished:
-            self._finish(rid, st, done)
-        return finished
+        if what == "interrupt":  # vLLM cannot append to a running request: resubmit it with the phrase
+            force_phrase(self, st)
+            self._submit(st, self.answer_budget)
+        else:
+            group_done(self, st["sample"], done)
+        return True

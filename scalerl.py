@@ -533,9 +533,6 @@ def main(cfg):
     sources = cfg.task.split("+")  # a mixture: each source gets an equal share of the held-out and training prompts
     if not 0 <= cfg.code_frac <= 1 or len(set(sources)) < len(sources):
         fail(f"--code_frac must be in [0, 1] and --task must not repeat a source, got {cfg.code_frac} and {cfg.task!r}")
-    if cfg.model == "tiny" and not set(sources) <= {"arith", "code"}:
-        fail(f"the tiny character-level model only covers --task=arith, code or arith+code; pass --model=<hub name or "
-             f"path> for {cfg.task}")
     try:
         train, val = data.combine([data.load_problems(
             src, n_val=max(1, cfg.eval_prompts // len(sources)), seed=cfg.seed,
@@ -543,6 +540,9 @@ def main(cfg):
             for src in sources])
     except ValueError as e:
         fail(str(e))
+    if cfg.model == "tiny" and not set(sources) <= {"arith", "code"}:
+        fail(f"the tiny character-level model only covers --task=arith, code or arith+code; pass --model=<hub name or "
+             f"path> for {cfg.task}")
     tasks = list(dict.fromkeys(p.task for p in val))  # checker names (arith, code, math, rg:...): one curve each
     if "code" in tasks and data.sandbox_mode() is None:
         fail("no sandbox for running programs works here (see data.check_program); code tasks need one")
