@@ -254,6 +254,22 @@ def test_bad_table_covers_twenty_distinct_invocations():
 # 4. Real kills and --resume
 
 
+def kill_when_under_way(proc, out, resume, delay, kill, wait=180):
+    """Once the run has a checkpoint and has started its log (a resume rewrites the log, a new file, before its
+    steps), kill it `delay` seconds later, at a random moment of the next steps. Returns 1 if it was killed."""
+    log, t_end = out / "metrics.jsonl", time.time() + wait
+    stamp = os.stat(log).st_ino if resume else None
+    while proc.poll() is None and time.time() < t_end:
+        if os.path.exists(out / "ckpt.pt") and os.path.exists(log) and os.stat(log).st_ino != stamp:
+            break
+        time.sleep(0.05)
+    time.sleep(delay)
+    if proc.poll() is not None:
+        return 0
+    kill()
+    return 1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [0, 2])
 def test_sigkill_and_resume_until_done(base, k):
@@ -270,18 +286,9 @@ def test_sigkill_and_resume_until_done(base, k):
         resume = ("--resume",) if os.path.exists(out / "ckpt.pt") else ()
         proc = subprocess.Popen(command(out, *args, *resume), env=ENV, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
-        if kills < 3:  # once the run is under way with a checkpoint, kill it at a random moment of the next steps
-            log = out / "metrics.jsonl"
-            stamp = os.stat(log).st_ino if resume else None  # a resume rewrites the log (a new file) before its steps
-            t_end = time.time() + 120
-            while proc.poll() is None and time.time() < t_end:
-                if os.path.exists(out / "ckpt.pt") and os.path.exists(log) and os.stat(log).st_ino != stamp:
-                    break
-                time.sleep(0.05)
-            time.sleep(rng.uniform(0.0, 2.5))
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-                kills += 1
+        if kills < 3:
+            kills += kill_when_under_way(proc, out, resume, rng.uniform(0.0, 2.5),
+                                         lambda: proc.send_signal(signal.SIGKILL))
         _, err = proc.communicate(timeout=600)
         if first_ck_step is None:
             first_ck_step = torch.load(out / "ckpt.pt", weights_only=True)["step"]
@@ -331,18 +338,9 @@ def test_torchrun_sigkill_and_resume_until_done(base):
         proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
                                  *command(out, *args, *resume)[1:]], env={**ENV, "OMP_NUM_THREADS": "1"}, cwd=ROOT,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        if kills < 2:
-            log = out / "metrics.jsonl"
-            stamp = os.stat(log).st_ino if resume else None
-            t_end = time.time() + 180
-            while proc.poll() is None and time.time() < t_end:
-                if os.path.exists(out / "ckpt.pt") and os.path.exists(log) and os.stat(log).st_ino != stamp:
-                    break
-                time.sleep(0.05)
-            time.sleep(rng.uniform(0.5, 4.0))
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank at once, as a lost node would
-                kills += 1
+        if kills < 2:  # the launcher and every rank at once, as a lost node would
+            kills += kill_when_under_way(proc, out, resume, rng.uniform(0.5, 4.0),
+                                         lambda: os.killpg(proc.pid, signal.SIGKILL))
         _, err = proc.communicate(timeout=600)
         if proc.returncode == 0:
             break
