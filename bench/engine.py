@@ -128,12 +128,12 @@ def best_of(repeats, fn):
     return min((fn() for _ in range(repeats)), key=lambda r: r["seconds"])
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(description, argv, slots_help):
+    """The options both engine benchmarks take, checked; sets torch's thread count."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--prompts", type=int, default=32, help="arith prompts (levels 1..5 cycle)")
     ap.add_argument("--n", type=int, default=8, help="completions per prompt")
-    ap.add_argument("--slots", type=positive_ints, default=[32, 64, 128],
-                    help="engine slot counts, also the model.generate batch sizes (comma-separated)")
+    ap.add_argument("--slots", type=positive_ints, default=[32, 64, 128], help=slots_help)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--repeats", type=int, default=2, help="runs per configuration; the fastest is reported")
     ap.add_argument("--ckpt", default=None, help="state dict of the default tiny model (default: random init)")
@@ -146,6 +146,12 @@ def main(argv=None):
         ap.error(f"--threads must be >= 0, got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(__doc__.splitlines()[0], argv,
+                      "engine slot counts, also the model.generate batch sizes (comma-separated)")
 
     cfg = scalerl.Config()
     tok = scalerl.char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=")

@@ -16,7 +16,6 @@ Needs vLLM (pip install -r requirements-vllm.txt). Run: `python bench/vllm_engin
 2 CPU cores); `--slots 64 --prompts 64` for one bigger configuration, `--ckpt out/warmstart/<hash>.pt` for a
 trained model's lengths.
 """
-import argparse
 import os
 import sys
 import time
@@ -45,22 +44,7 @@ def run(eng, prompts, n, seed):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=32, help="arith prompts (levels 1..5 cycle)")
-    ap.add_argument("--n", type=int, default=8, help="completions per prompt")
-    ap.add_argument("--slots", type=bench.positive_ints, default=[32, 64, 128], help="slot counts (comma-separated)")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
-    ap.add_argument("--repeats", type=int, default=2, help="runs per configuration; the fastest is reported")
-    ap.add_argument("--ckpt", default=None, help="state dict of the default tiny model (default: random init)")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    for k in ("prompts", "n", "repeats"):
-        if getattr(args, k) <= 0:
-            ap.error(f"--{k} must be positive, got {getattr(args, k)}")
-    if args.threads < 0:
-        ap.error(f"--threads must be >= 0, got {args.threads}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = bench.parse_args(__doc__.splitlines()[0], argv, "slot counts (comma-separated)")
     try:
         import vllm
     except ImportError as e:
