@@ -1,31 +1,26 @@
-"""Prompts, verifiable rewards and the filtering curriculum for scalerl.
+"""Prompts, verifiable rewards and the filtering curriculum for scalerl. Standalone: no project imports.
 
-What is here (standalone, no project imports):
-- `Problem`: one prompt with its reference answer and the checker it needs (`task`).
-- Sources, all through `load_problems(source, ...) -> (train, val)`:
-  "arith" (built in, offline: chains of single-digit additions with a step-by-step scratchpad),
-  "code" (built in, offline: print f(a,b) for the a b on stdin, with hidden tests),
-  "rg:<name>" (a reasoning-gym task, generated offline), the presets "polaris", "gsm8k", "math",
-  "deepcoder", any Hugging Face hub dataset name, or a local .json/.jsonl/.parquet file (code when it
-  has a `tests` column of stdin/stdout pairs); `combine` joins several sources into one run.
-- `format_prompt` / `format_target`: a thinking section, then the answer: `<think> ... </think> answer`.
-- `reward(problem, completion)`: +1 pass / -1 fail; never raises, a checker that runs too long fails.
-- `PromptPool`: seeded epochs with zero-variance filtering and No-Positive-Resampling; `MixedPool`: one
-  per task, drawn from in fixed shares (math + code, §7).
-- `check_program`: runs a program against its tests in a sandbox; `parallel_map` checks a batch at once.
+Its sections, in order:
+1. Problems and the prompt format: `Problem`; `format_prompt` / `format_target`: `<think> ... </think> answer`.
+2. The built-in arithmetic task "arith" (offline): chains of single-digit additions with a step-by-step scratchpad.
+3. The code task: the built-in "code" (offline: print f(a,b) for the a b on stdin, with hidden tests), reading the
+   program out of a completion, and DeepCoder-style rows (a `tests` column of stdin/stdout pairs).
+4. Rewards: `reward(problem, completion)`: +1 pass / -1 fail, never raises; `parallel_map` checks a batch at once.
+5. Sources: `load_problems(source, ...) -> (train, val)` for "arith", "code", "rg:<name>" (reasoning-gym), the
+   presets "polaris", "gsm8k", "math", "deepcoder", a hub dataset or a .json/.jsonl/.parquet file; `combine` joins them.
+6. The curriculum: `PromptPool` (seeded epochs, zero-variance filtering, No-Positive-Resampling); `MixedPool`:
+   one per task, drawn from in fixed shares (math + code).
+7. The code sandbox: `check_program` runs a program against its tests; `sandbox_mode` says how it is confined.
 
 The paper's choices made here:
-1. Binary reward +1 / -1 from a verifier (RECIPE §2); math answers are checked with Math-Verify after
-   stripping the thinking trace (§7).
-2. A held-out validation split of fixed size (the paper holds out 1,000 Polaris prompts, §7) that never
-   enters training.
-3. Zero-variance filtering: a group whose rewards are all equal is dropped from the loss and counted,
-   the batch is not refilled (§3).
-4. No-Positive-Resampling: a prompt whose pass rate reaches 0.9 is never sampled in a later epoch (§3);
+1. Binary reward +1 / -1 from a verifier (Sec. 3.2): math answers are checked with Math-Verify after stripping the
+   thinking trace, code by running it against hidden stdin/stdout tests in a sandbox, pass = all pass (App. A.3).
+2. A held-out validation split of fixed size that never enters training (1,000 Polaris prompts, App. A.3).
+3. Zero-variance filtering: a group whose rewards are all equal leaves the loss and is counted, not refilled (Sec. 3.2).
+4. No-Positive-Resampling: a prompt whose pass rate reaches 0.9 is never sampled in a later epoch (Sec. 3.2);
    **choice**: the latest observed pass rate decides, and removal takes effect at the next epoch.
-5. The forced-interruption phrase (§6) ends with `</think>`, so an interrupted completion still has an
+5. The forced-interruption phrase (App. A.10) ends with `</think>`, so an interrupted completion still has an
    answer section for `extract_answer`.
-6. Code is checked by running it against hidden stdin/stdout tests in a sandbox (§7); pass = all pass.
 
 Run `python data.py` to print a few built-in problems, their prompt and their supervised target.
 """
@@ -49,8 +44,11 @@ import time
 import zlib
 from dataclasses import dataclass, replace
 
+# ---------------------------------------------------------------------------------------------------
+# Problems and the prompt format: the prompt ends with <think>; the model writes its thinking, </think>, the answer.
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-INTERRUPT_PHRASE = "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"  # §6
+INTERRUPT_PHRASE = "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"  # App. A.10
 PLAIN_TEMPLATE = "Q: {question}\nA: "  # for models without a chat template (the tiny char-level model)
 RG_INSTRUCTION = "\nThink inside <think> </think>, then write only the final answer after </think>."
 MATH_INSTRUCTION = "\nThink inside <think> </think>, then write the final answer after </think> in \\boxed{}."
@@ -65,84 +63,6 @@ class Problem:
     level: int = 0   # difficulty level of the built-in task; 0 when unknown
     trace: str = ""  # step-by-step thinking for the supervised warm start ("" when none)
 
-
-# ---------------------------------------------------------------------------------------------------
-# The built-in task: level L is a chain of L+1 single-digit terms, "7+5+9+3"; the scratchpad keeps a
-# running sum, one step per term, "7+5=12,12+9=21,21+3=24". Short and regular so a ~1M-parameter
-# character-level model learns it from scratch in minutes; the thinking grows with the level, so the
-# top levels are the ones a length budget interrupts (§6).
-
-VAL_BUCKETS = 5  # 1 in 5 possible questions is reserved for validation, so val and train never share one
-ARITH_CHARS = "".join(sorted(set("0123456789+=,\n " + PLAIN_TEMPLATE.replace("{question}", "")
-                                 + THINK_OPEN + THINK_CLOSE + INTERRUPT_PHRASE)))
-_STEP = re.compile(r"(\d+)\+(\d+)=(\d+)", re.ASCII)
-
-
-def _is_val_question(question, seed):
-    # A stable hash splits the space of questions, not the list of draws: the 100 possible level-1
-    # questions would otherwise all be drawn into a 1,000-prompt validation set.
-    return zlib.crc32(f"{seed}:{question}".encode()) % VAL_BUCKETS == 0
-
-
-def arith_problems(n, seed=0, levels=(1, 2, 3, 4, 5), error_rate=0.0, start_id=0, split=None):
-    """n problems with ids start_id.. ; each is a function of (seed, id) only, levels cycle with the id.
-
-    error_rate: each step of the trace independently slips (result off by +-1 or +-10) with this
-    probability and the chain goes on from the wrong sum, so the warm-started model is only partly
-    competent; `answer` is always the true sum (see `trace_errors`). split: "val" or "train" keeps only
-    questions from that side of the hashed split (None: any question).
-    """
-    if not levels or any(not isinstance(L, int) or L < 1 for L in levels):
-        raise ValueError(f"arith levels must be integers >= 1, got {levels!r}")
-    if not 0.0 <= error_rate <= 1.0:
-        raise ValueError(f"arith error_rate must be in [0, 1], got {error_rate}")
-    if split not in (None, "val", "train"):
-        raise ValueError(f"arith split must be None, 'val' or 'train', got {split!r}")
-    out = []
-    for pid in range(start_id, start_id + n):
-        level = levels[pid % len(levels)]
-        rng = random.Random(f"arith:{seed}:{pid}")
-        for _ in range(10_000):  # rejection sampling into the requested side of the split
-            terms = [rng.randrange(10) for _ in range(level + 1)]
-            question = "+".join(map(str, terms))
-            if split is None or _is_val_question(question, seed) == (split == "val"):
-                break
-        else:
-            raise RuntimeError(f"arith level {level} has no {split} question for seed {seed}")
-        # Slips use their own stream and draw for every step, so the question does not depend on
-        # error_rate and the slipped steps at a lower rate are a subset of those at a higher one.
-        slip = random.Random(f"slip:{seed}:{pid}")
-        steps, total = [], terms[0]
-        for t in terms[1:]:
-            u, delta = slip.random(), slip.choice((-10, -1, 1, 10))
-            result = total + t
-            if u < error_rate:
-                result = result + delta if result + delta >= 0 else result - delta
-            steps.append(f"{total}+{t}={result}")
-            total = result
-        out.append(Problem(pid, question, str(sum(terms)), "arith", level, ",".join(steps)))
-    return out
-
-
-def trace_errors(problem):
-    """Indices of the trace steps whose arithmetic is wrong or that do not follow the question's chain."""
-    terms = [int(t) for t in problem.question.split("+")]
-    steps = problem.trace.split(",") if problem.trace else []
-    bad, total = [], terms[0]
-    for k in range(len(terms) - 1):
-        m = _STEP.fullmatch(steps[k]) if k < len(steps) else None
-        if m is None or (int(m[1]), int(m[2])) != (total, terms[k + 1]) or int(m[1]) + int(m[2]) != int(m[3]):
-            bad.append(k)
-        total = int(m[3]) if m else total + terms[k + 1]
-    return bad + list(range(len(terms) - 1, len(steps)))  # extra steps are errors too
-
-
-def trace_is_correct(problem):
-    return not trace_errors(problem)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Prompt format: the prompt ends with <think>, the model writes its thinking, </think>, then the answer.
 
 def format_prompt(question, tokenizer=None):
     """The prompt text: the tokenizer's chat template when it has one, else PLAIN_TEMPLATE; ends with <think>."""
@@ -173,28 +93,191 @@ def extract_answer(completion):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Rewards: +1 pass / -1 fail (§2). Every checker returns a bool; anything unexpected is a fail.
+# The built-in arithmetic task: level L is a chain of L+1 single-digit terms, "7+5+9+3"; the scratchpad keeps a
+# running sum, one step per term, "7+5=12,12+9=21,21+3=24". Short and regular so a ~1M-parameter
+# character-level model learns it from scratch in minutes; the thinking grows with the level, so the
+# top levels are the ones a length budget interrupts (App. A.10).
+
+VAL_BUCKETS = 5  # 1 in 5 possible questions is reserved for validation, so val and train never share one
+ARITH_CHARS = "".join(sorted(set("0123456789+=,\n " + PLAIN_TEMPLATE.replace("{question}", "")
+                                 + THINK_OPEN + THINK_CLOSE + INTERRUPT_PHRASE)))
+_STEP = re.compile(r"(\d+)\+(\d+)=(\d+)", re.ASCII)
+
+
+def _is_val_question(question, seed):
+    # A stable hash splits the space of questions, not the list of draws: the 100 possible level-1
+    # questions would otherwise all be drawn into a 1,000-prompt validation set.
+    return zlib.crc32(f"{seed}:{question}".encode()) % VAL_BUCKETS == 0
+
+
+def arith_problems(n, seed=0, levels=(1, 2, 3, 4, 5), error_rate=0.0, start_id=0, split=None):
+    """n problems with ids start_id.. ; each is a function of (seed, id) only, levels cycle with the id.
+
+    error_rate: each step of the trace independently slips (result off by +-1 or +-10) with this
+    probability and the chain goes on from the wrong sum, so the warm-started model is only partly
+    competent; `answer` is always the true sum (see `trace_errors`). split: "val" or "train" keeps only
+    questions from that side of the hashed split (None: any question).
+    """
+    if not levels or any(not isinstance(L, int) or L < 1 for L in levels):
+        raise ValueError(f"arith levels must be integers >= 1, got {levels!r}")
+    if not 0.0 <= error_rate <= 1.0:
+        raise ValueError(f"arith error_rate must be in [0, 1], got {error_rate}")
+    if split not in (None, "val", "train"):
+        raise ValueError(f"arith split must be None, 'val' or 'train', got {split!r}")
+    out = []
+    for pid in range(start_id, start_id + n):
+        level, rng = levels[pid % len(levels)], random.Random(f"arith:{seed}:{pid}")
+        for _ in range(10_000):  # rejection sampling into the requested side of the split
+            terms = [rng.randrange(10) for _ in range(level + 1)]
+            question = "+".join(map(str, terms))
+            if split is None or _is_val_question(question, seed) == (split == "val"):
+                break
+        else:
+            raise RuntimeError(f"arith level {level} has no {split} question for seed {seed}")
+        # Slips use their own stream and draw for every step, so the question does not depend on
+        # error_rate and the slipped steps at a lower rate are a subset of those at a higher one.
+        slip, steps, total = random.Random(f"slip:{seed}:{pid}"), [], terms[0]
+        for term in terms[1:]:
+            roll, delta = slip.random(), slip.choice((-10, -1, 1, 10))
+            result = total + term
+            if roll < error_rate:
+                result = result + delta if result + delta >= 0 else result - delta
+            steps.append(f"{total}+{term}={result}")
+            total = result
+        out.append(Problem(pid, question, str(sum(terms)), "arith", level, ",".join(steps)))
+    return out
+
+
+def trace_errors(problem):
+    """Indices of the trace steps whose arithmetic is wrong or that do not follow the question's chain."""
+    terms = [int(t) for t in problem.question.split("+")]
+    steps = problem.trace.split(",") if problem.trace else []
+    bad, total = [], terms[0]
+    for k in range(len(terms) - 1):
+        m = _STEP.fullmatch(steps[k]) if k < len(steps) else None
+        if m is None or (int(m[1]), int(m[2])) != (total, terms[k + 1]) or int(m[1]) + int(m[2]) != int(m[3]):
+            bad.append(k)
+        total = int(m[3]) if m else total + terms[k + 1]
+    return bad + list(range(len(terms) - 1, len(steps)))  # extra steps are errors too
+
+
+def trace_is_correct(problem):
+    return not trace_errors(problem)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The code task (math+code runs add DeepCoder, checked in a sandbox against tests, App. A.3; Table 1 fits one
+# curve per task). A program reads stdin and prints to stdout; it passes when its output on every hidden test
+# equals the expected one after trailing whitespace is stripped (the sandbox is the last section).
+
+CODE_INSTRUCTION = ("\nThink inside <think> </think>, then after </think> write a Python program that reads "
+                    "stdin and prints the answer, in a ```python block.")
+CODE_TIME_LIMIT = 2.0                # seconds of wall clock per test
+CODE_WORKERS = min(64, 4 * (os.cpu_count() or 1))  # checks parallel_map runs at once: most of one is waiting
+CODE_HEAD = "a,b=map(int,input().split())\nprint("  # every built-in program: this, the expression, ")"
+CODE_CHARS = "".join(sorted(set("f(a,b)=0123456789+-*," + CODE_HEAD + ")")))
+CODE_ANSWER_TOKENS = len(CODE_HEAD) + 3 * len("-9*a*b") + 2  # the longest built-in program and the end token
+_FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.S)
+
+# The built-in code task: level L is f(a,b) with L terms in math notation, "f(a,b)=3ab-a+7"; the program prints
+# it for the a b on stdin. The thinking builds the Python expression a term at a time, "3*a*b,3*a*b-a,3*a*b-a+7";
+# slips (a coefficient off by one, a sign flipped, a variable swapped) carry on, like arith's.
+
+def _term(sign, coef, var, first, python):
+    body = ([str(coef)] if coef > 1 or not var else []) + list(var)
+    return ("-" if sign == "-" else "" if first else "+") + ("*".join(body) if python else "".join(body))
+
+
+def code_problems(n, seed=0, levels=(1, 2, 3), error_rate=0.0, start_id=0, split=None, n_tests=3):
+    """n built-in code problems (ids start_id..), each a function of (seed, id); as `arith_problems`."""
+    if not levels or any(not isinstance(L, int) or not 1 <= L <= 3 for L in levels):
+        raise ValueError(f"code levels must be integers in 1..3, got {levels!r}")
+    out, values = [], [v for v in range(-30, 31) if v not in (0, 1)]  # a single slip changes every output
+    for pid in range(start_id, start_id + n):
+        level, rng = levels[pid % len(levels)], random.Random(f"code:{seed}:{pid}")
+        for _ in range(10_000):  # rejection sampling into the requested side of the split
+            terms = [(rng.choice("+-"), rng.randint(1, 9), rng.choice(("a", "b", "ab", ""))) for _ in range(level)]
+            question = "f(a,b)=" + "".join(_term(*t, i == 0, False) for i, t in enumerate(terms))
+            if split is None or _is_val_question(question, seed) == (split == "val"):
+                break
+        tests = []
+        for a, b in (rng.sample(values, 2) for _ in range(n_tests)):  # a != b
+            f = sum((1 if s == "+" else -1) * c * (a if "a" in v else 1) * (b if "b" in v else 1) for s, c, v in terms)
+            tests.append((f"{a} {b}\n", f"{f}\n"))
+        slip, steps = random.Random(f"codeslip:{seed}:{pid}"), []
+        for i, (sign, coef, var) in enumerate(terms):
+            roll, kind, up = slip.random(), slip.randrange(3), slip.random() < 0.5  # drawn whatever the rate
+            slipped = [(sign, coef + 1 if coef == 1 or up else coef - 1, var), ("+-"[sign == "+"], coef, var),
+                       (sign, coef, {"a": "b", "b": "a", "ab": "a", "": "a"}[var])]  # coefficient, sign or variable
+            sign, coef, var = slipped[kind] if roll < error_rate else (sign, coef, var)
+            steps.append((steps[-1] if steps else "") + _term(sign, coef, var, i == 0, True))
+        out.append(Problem(pid, question, json.dumps(tests), "code", level, ",".join(steps)))
+    return out
+
+
+def extract_program(completion):
+    """The program after the last </think>: the first ```python block when there is one, else all of it."""
+    text = extract_answer(completion)
+    fenced = _FENCE.search(text) if text else None
+    return fenced[1] if fenced else text
+
+
+@functools.lru_cache(maxsize=256)
+def code_tests(answer):
+    return [tuple(t) for t in json.loads(answer)]  # a code problem's answer: its hidden tests as JSON
+
+
+@functools.lru_cache(maxsize=4096)  # a group often holds the same program several times: run it once
+def _code_verdict(program, answer, time_limit):
+    return check_program(program, code_tests(answer), time_limit)
+
+
+def _code_rows(rows, source, prompt_key):
+    """Problems from DeepCoder/TACO-style rows: `tests` is a list of {input, output} (or [input, output]) or a dict
+    of inputs/outputs lists, maybe as JSON text; tests that call a function instead of reading stdin are left out."""
+    if prompt_key not in rows[0]:
+        raise ValueError(f"dataset {source!r} has no column {prompt_key!r}; columns: {sorted(rows[0])}; "
+                         f"set prompt_key=")
+    out = []
+    for i, row in enumerate(rows):
+        try:
+            raw = json.loads(row["tests"]) if isinstance(row["tests"], str) else row["tests"]
+            if isinstance(raw, dict):  # {"inputs": [...], "outputs": [...]}, or "fn_name" for a function's tests
+                raw = [] if raw.get("fn_name") else list(zip(raw["inputs"], raw["outputs"]))
+            cases = [dict(input=c[0], output=c[1]) if isinstance(c, (list, tuple)) else c for c in raw]
+            tests = [(c["input"], c["output"]) for c in cases if isinstance(c["input"], str) and isinstance(
+                c["output"], str) and c.get("testtype", "stdin") == "stdin" and c.get("type", "stdin_stdout")
+                == "stdin_stdout"]
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            tests = []  # unreadable tests: the row cannot be checked
+        if tests and str(row.get(prompt_key) or "").strip():
+            out.append(Problem(i, str(row[prompt_key]).strip() + CODE_INSTRUCTION, json.dumps(tests), "code"))
+    if not out:
+        raise ValueError(f"dataset {source!r}: no row has stdin/stdout tests in its 'tests' column")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rewards: +1 pass / -1 fail (Sec. 3.2). Every checker returns a bool; anything unexpected is a fail.
 
 _NUMBER = re.compile(r"[-+]?\d+(\.\d+)?", re.ASCII)  # ASCII digits only: "٢٤" is not 24
+_RG_ENTRIES = {}  # Problem -> (reasoning-gym dataset, entry): the entry its scorer needs (Problem is frozen)
 
 
 def _check_arith(problem, text):
-    m = _NUMBER.search(text)  # the first number must be an integer equal to the answer
-    return bool(m) and m[1] is None and len(m[0]) <= 30 and int(m[0]) == int(problem.answer)
-
-
-_RG = {}  # Problem -> (reasoning-gym dataset, entry): the entry its scorer needs (Problem is frozen)
+    number = _NUMBER.search(text)  # the first number must be an integer equal to the answer
+    return bool(number) and number[1] is None and len(number[0]) <= 30 and int(number[0]) == int(problem.answer)
 
 
 def _check_rg(problem, text, timeout):
-    dataset, entry = _RG.get(problem, (None, None))
+    dataset, entry = _RG_ENTRIES.get(problem, (None, None))
     if dataset is None:  # not generated in this process: fall back to an exact match
         return text == problem.answer
-    box = []  # scorers are plain Python: a daemon thread with a deadline bounds them (a stuck one lingers)
-    th = threading.Thread(target=lambda: box.append(dataset.score_answer(answer=text, entry=entry)), daemon=True)
-    th.start()
-    th.join(timeout)
-    return bool(box) and box[0] >= 1.0
+    scores = []  # scorers are plain Python: a daemon thread with a deadline bounds them (a stuck one lingers)
+    thread = threading.Thread(target=lambda: scores.append(dataset.score_answer(answer=text, entry=entry)), daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(scores) and scores[0] >= 1.0
 
 
 class _MathWorker:
@@ -209,7 +292,7 @@ class _MathWorker:
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--math-worker"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True, encoding="utf-8")
-        if not self._read(120.0) == "ready":
+        if self._read(120.0) != "ready":
             self._stop()
             raise RuntimeError("math-verify worker did not start; is math-verify installed?")
 
@@ -248,16 +331,17 @@ def _math_worker_loop():
         try:
             gold, pred = json.loads(line)
             if gold not in gold_cache:  # bare gold answers ("3/4", "\frac{3}{4}") parse as LaTeX math
-                g = gold if "$" in gold or "\\boxed" in gold else f"${gold}$"
-                gold_cache[gold] = parse(g, parsing_timeout=None)
+                latex = gold if "$" in gold or "\\boxed" in gold else f"${gold}$"
+                gold_cache[gold] = parse(latex, parsing_timeout=None)
             ok = verify(gold_cache[gold], parse(pred, parsing_timeout=None), timeout_seconds=None)
         except Exception:  # any parser/SymPy failure is a failed check, never a crash
             ok = False
         print("1" if ok else "0", flush=True)
 
 
-_MATH = _MathWorker()
-atexit.register(_MATH._stop)  # a child stuck in SymPy would not notice its parent leaving
+_MATH_WORKER = _MathWorker()
+atexit.register(_MATH_WORKER._stop)  # a child stuck in SymPy would not notice its parent leaving
+_REWARD_THREADS = concurrent.futures.ThreadPoolExecutor(CODE_WORKERS, thread_name_prefix="reward")  # parallel_map's
 
 
 def reward(problem, completion, timeout=5.0):
@@ -271,7 +355,7 @@ def reward(problem, completion, timeout=5.0):
         elif problem.task.startswith("rg:"):
             ok = _check_rg(problem, text, timeout)
         elif problem.task == "math":  # answers are short; the tail keeps a final \boxed{} of a long one
-            ok = _MATH.check(problem.answer, text[-2000:], timeout)
+            ok = _MATH_WORKER.check(problem.answer, text[-2000:], timeout)
         elif problem.task == "code":
             ok = _code_verdict(extract_program(completion), problem.answer, min(timeout, CODE_TIME_LIMIT))
         else:
@@ -279,6 +363,11 @@ def reward(problem, completion, timeout=5.0):
     except Exception:  # a reward never takes down the run: an unexpected failure is a fail
         ok = False
     return 1.0 if ok else -1.0
+
+
+def parallel_map(fn, items):
+    """[fn(x) for x in items] on a shared pool of CODE_WORKERS threads: a batch's code checks run side by side."""
+    return list(_REWARD_THREADS.map(fn, items))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -341,20 +430,19 @@ def _read_hub(source, hub, config, split):
 
 
 def _rows_to_problems(rows, source, prompt_key, answer_key, trace_key, answer_fn):
-    cols = sorted(rows[0]) if rows else []
     for key in (prompt_key, answer_key):
         if rows and key not in rows[0]:
-            raise ValueError(f"dataset {source!r} has no column {key!r}; columns: {cols}; "
+            raise ValueError(f"dataset {source!r} has no column {key!r}; columns: {sorted(rows[0])}; "
                              f"set prompt_key=/answer_key=")
     out = []
     for i, row in enumerate(rows):
-        q, a = row.get(prompt_key), row.get(answer_key)
+        question, answer = row.get(prompt_key), row.get(answer_key)
         trace = str(row.get(trace_key) or "") if trace_key else ""
-        if a is not None and answer_fn is not None:
-            trace, a = answer_fn(str(a))
-        if q is None or a is None or not str(q).strip() or not str(a).strip():
+        if answer is not None and answer_fn is not None:
+            trace, answer = answer_fn(str(answer))
+        if question is None or answer is None or not str(question).strip() or not str(answer).strip():
             continue  # rows without a question or a checkable answer cannot be rewarded
-        out.append(Problem(i, str(q).strip() + MATH_INSTRUCTION, str(a).strip(), "math", 0, trace.strip()))
+        out.append(Problem(i, str(question).strip() + MATH_INSTRUCTION, str(answer).strip(), "math", 0, trace.strip()))
     return out
 
 
@@ -373,23 +461,18 @@ def _split(problems, n_val, n_train, seed, source):
 def load_problems(source, n_val=1000, seed=0, n_train=None, prompt_key=None, answer_key=None, **kw):
     """(train, val) lists of Problem; val has n_val prompts whose ids and questions never appear in train.
 
-    source: "arith" (kw: levels, error_rate; n_train defaults to 5000), "rg:<task>" (kw: the task's
-    reasoning-gym options; n_train defaults to 5000), "polaris" / "gsm8k" / "math" (kw data_path=FILE
-    reads a local copy with the preset's columns), a hub dataset name (kw: config, split, trace_key) or a
-    local .json/.jsonl/.parquet file.
+    source: "arith" or "code" (kw: levels, error_rate; n_train defaults to 5000), "rg:<task>" (kw: the task's
+    reasoning-gym options; n_train defaults to 5000), "polaris" / "gsm8k" / "math" / "deepcoder" (kw
+    data_path=FILE reads a local copy with the preset's columns), a hub dataset name (kw: config, split,
+    trace_key) or a local .json/.jsonl/.parquet file (code when it has a `tests` column).
     """
-    if source == "arith":
+    if source in ("arith", "code"):  # the built-in tasks
         extra = set(kw) - {"levels", "error_rate"}
         if extra:
-            raise ValueError(f"unknown options for source 'arith': {sorted(extra)}; expected levels, error_rate")
-        val = arith_problems(n_val, seed, split="val", start_id=0, **kw)
-        return arith_problems(5000 if n_train is None else n_train, seed, split="train", start_id=n_val, **kw), val
-    if source == "code":
-        if set(kw) - {"levels", "error_rate"}:
-            raise ValueError(f"unknown options for source 'code': {sorted(set(kw) - {'levels', 'error_rate'})}; "
-                             f"expected levels, error_rate")
-        val = code_problems(n_val, seed, split="val", start_id=0, **kw)
-        return code_problems(5000 if n_train is None else n_train, seed, split="train", start_id=n_val, **kw), val
+            raise ValueError(f"unknown options for source {source!r}: {sorted(extra)}; expected levels, error_rate")
+        make = arith_problems if source == "arith" else code_problems
+        val = make(n_val, seed, split="val", start_id=0, **kw)
+        return make(5000 if n_train is None else n_train, seed, split="train", start_id=n_val, **kw), val
     if source.startswith("rg:"):
         import reasoning_gym
         name, n_train = source[3:], 5000 if n_train is None else n_train
@@ -401,7 +484,7 @@ def load_problems(source, n_val=1000, seed=0, n_train=None, prompt_key=None, ans
         for i in range(len(dataset)):
             entry = dataset[i]
             problems.append(Problem(i, entry["question"] + RG_INSTRUCTION, str(entry["answer"]), source))
-            _RG[problems[-1]] = (dataset, entry)
+            _RG_ENTRIES[problems[-1]] = (dataset, entry)
         return _split(problems, n_val, n_train, seed, source)
     known = {"data_path", "config", "split", "trace_key"}
     if set(kw) - known:
@@ -419,8 +502,21 @@ def load_problems(source, n_val=1000, seed=0, n_train=None, prompt_key=None, ans
     return _split(problems, n_val, n_train, seed, source)
 
 
+def combine(parts):
+    """One (train, val) from several sources' (train, val) pairs, ids shifted to stay unique across them."""
+    train, val = [], []
+    for part_train, part_val in parts:
+        if train or val:
+            shift = max(p.id for p in train + val) + 1
+            renamed = {p: replace(p, id=p.id + shift) for p in part_train + part_val}
+            _RG_ENTRIES.update({renamed[p]: _RG_ENTRIES[p] for p in renamed if p in _RG_ENTRIES})
+            part_train, part_val = [renamed[p] for p in part_train], [renamed[p] for p in part_val]
+        train, val = train + part_train, val + part_val
+    return train, val
+
+
 # ---------------------------------------------------------------------------------------------------
-# The curriculum: seeded epochs, zero-variance filtering and No-Positive-Resampling (§3).
+# The curriculum: seeded epochs, zero-variance filtering and No-Positive-Resampling (Sec. 3.2).
 
 class PromptPool:
     """Yields problems epoch by epoch in a seeded order and keeps the curriculum's statistics."""
@@ -440,13 +536,8 @@ class PromptPool:
         random.Random(f"pool:{self.seed}:{self.epoch}").shuffle(ids)  # a function of (seed, epoch)
         return ids
 
-    @property
-    def npr_removed(self):
-        return len(self.removed)
-
-    @property
-    def zero_var_frac(self):
-        return self.zero_var_dropped / self.groups_seen if self.groups_seen else 0.0
+    npr_removed = property(lambda self: len(self.removed))
+    zero_var_frac = property(lambda self: self.zero_var_dropped / self.groups_seen if self.groups_seen else 0.0)
 
     def next(self):
         if self.position >= len(self.order):  # epoch exhausted: the next one leaves out removed prompts
@@ -459,20 +550,20 @@ class PromptPool:
         return self.problems[self.order[self.position - 1]]
 
     def record(self, prompt_id, rewards):
-        """Record a finished group's rewards (+1/-1); True if the group is kept for the loss."""
+        """Record a finished group's rewards (+1/-1); returns kept: False when zero-variance filtering drops it."""
         if prompt_id not in self.problems:
             raise KeyError(f"PromptPool.record: unknown prompt id {prompt_id}")
         if len(rewards) == 0:
             raise ValueError(f"PromptPool.record: empty rewards for prompt {prompt_id}")
         rate = sum(r > 0 for r in rewards) / len(rewards)
         self.groups_seen += 1
-        self.history[prompt_id] = rate  # the latest observed pass rate decides (§3, our choice)
+        self.history[prompt_id] = rate  # the latest observed pass rate decides (Sec. 3.2, our choice)
         if self.npr and rate >= self.npr_threshold:
             self.removed.add(prompt_id)  # not in any later epoch; this epoch's order is left as is
         else:
             self.removed.discard(prompt_id)  # a later, lower pass rate (a group still in flight) wins
         if self.zero_var and all(r == rewards[0] for r in rewards):
-            self.zero_var_dropped += 1  # zero advantage, zero gradient: drop, do not refill (§3)
+            self.zero_var_dropped += 1  # zero advantage, zero gradient: drop, do not refill (Sec. 3.2)
             return False
         return True
 
@@ -492,154 +583,47 @@ class PromptPool:
         self.groups_seen, self.zero_var_dropped = state["groups_seen"], state["zero_var_dropped"]
 
 
+class MixedPool:
+    """A PromptPool per task (each with its own NPR and zero-variance curriculum), drawn from in fixed shares.
+    **choice** (the paper does not say how it mixes math and code, App. A.3): each draw goes to the task furthest
+    below its share so far, so every B consecutive prompts hold B x share of each task, to within one."""
+
+    def __init__(self, problems, shares, seed=0, **pool_kw):
+        self.shares = {t: w / sum(shares.values()) for t, w in shares.items() if w > 0}
+        self.pools = {t: PromptPool([p for p in problems if p.task == t], seed, **pool_kw) for t in self.shares}
+        self.task_of, self.drawn = {p.id: p.task for p in problems}, dict.fromkeys(self.pools, 0)
+
+    npr_removed = property(lambda self: sum(p.npr_removed for p in self.pools.values()))
+    epoch = property(lambda self: min(p.epoch for p in self.pools.values()))  # the slowest task's epoch
+
+    def next(self):
+        n = sum(self.drawn.values()) + 1
+        task = max(self.pools, key=lambda t: n * self.shares[t] - self.drawn[t])
+        self.drawn[task] += 1
+        return self.pools[task].next()
+
+    def record(self, prompt_id, rewards):
+        """PromptPool.record in the pool of the prompt's task (an unknown id is a KeyError): True if kept."""
+        return self.pools[self.task_of[prompt_id]].record(prompt_id, rewards)
+
+    def state_dict(self):
+        return {"drawn": dict(self.drawn), "pools": {t: p.state_dict() for t, p in self.pools.items()}}
+
+    def load_state_dict(self, state):
+        if set(state["pools"]) != set(self.pools):
+            raise ValueError(f"MixedPool state holds tasks {sorted(state['pools'])}, this pool {sorted(self.pools)}")
+        self.drawn = dict(state["drawn"])
+        for task, pool in self.pools.items():
+            pool.load_state_dict(state["pools"][task])
+
+
 # ---------------------------------------------------------------------------------------------------
-# Code and multi-task (§7: math+code runs add DeepCoder, checked in a sandbox against tests; Table 1 fits
-# one curve per task). A program reads stdin and prints to stdout; it passes when its output on every
-# hidden test equals the expected one after trailing whitespace is stripped.
+# The code sandbox: one fresh interpreter per program (per 16 tests), confined as tightly as this machine allows.
 
-CODE_INSTRUCTION = ("\nThink inside <think> </think>, then after </think> write a Python program that reads "
-                    "stdin and prints the answer, in a ```python block.")
-CODE_TIME_LIMIT = 2.0                # seconds of wall clock per test
-CODE_WORKERS = min(64, 4 * (os.cpu_count() or 1))  # checks parallel_map runs at once: most of one is waiting
-CODE_HEAD = "a,b=map(int,input().split())\nprint("  # every built-in program: this, the expression, ")"
-CODE_CHARS = "".join(sorted(set("f(a,b)=0123456789+-*," + CODE_HEAD + ")")))
-CODE_ANSWER_TOKENS = len(CODE_HEAD) + 3 * len("-9*a*b") + 2  # the longest built-in program and the end token
-_FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.S)
-# One interpreter per program: limits, as root a uid of its own, an audit hook (a second line only: PEP 578
-# hooks are no security boundary; the first is the uid and the namespaces), then a forked child per test with
-# that test's input and output files as stdin and stdout; each exit code is reported on stdout.
-_BOOT = r"""# scalerl sandbox
-import os, resource as R, sys
-mem, fsize, nproc, uid, *fds = map(int, sys.argv[1:])
-for k, v in ((R.RLIMIT_AS, mem), (R.RLIMIT_FSIZE, fsize), (R.RLIMIT_NPROC, nproc), (R.RLIMIT_CORE, 0)):
-    R.setrlimit(k, (v, v))
-code, null = compile(open("prog.py", encoding="utf-8").read(), "prog.py", "exec"), os.open(os.devnull, os.O_WRONLY)
-if uid >= 0:
-    os.setgroups([]), os.setresgid(uid, uid, uid), os.setresuid(uid, 0, 0)
-    if not os.access(os.__file__, os.R_OK):  # the standard library is closed to other users: load the usual now
-        import array, bisect, collections, functools, heapq, itertools, math, operator, re, string
-    os.setresuid(uid, uid, uid)
-def hook(event, args, lib=os.path.realpath(os.path.dirname(os.__file__)) + os.sep, real=os.path.realpath,
-         write=os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC, isinstance=isinstance,
-         deny=("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.kill", "os.ch",
-               "signal.pthread_kill", "pty.", "os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.symlink",
-               "os.link", "os.truncate", "os.utime", "shutil.", "ctypes."), Err=PermissionError):
-    if (event.startswith(deny) or event == "import" and args[0].partition(".")[0] in ("ctypes", "_posixsubprocess")
-            or event == "object.__setattr__" and args[0] is hook or event == "open" and not isinstance(args[0], int)
-            and ((args[2] or 0) & write or not real(args[0]).startswith(lib))):  # reads of the standard library only
-        raise Err("sandbox: " + event + " is not allowed")
-sys.addaudithook(hook)
-sys.argv = ["prog.py"]
-os.write(1, b"ready\n")
-for i in range(0, len(fds), 2):
-    pid = os.fork()
-    if pid == 0:  # one test: its input and output files, nothing else open
-        os.dup2(fds[i], 0), os.dup2(fds[i + 1], 1), os.dup2(null, 2), os.closerange(3, 1 << 16)
-        try:
-            exec(code, {"__name__": "__main__"})
-            rc = 0
-        except SystemExit as e:
-            rc = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
-        except BaseException:
-            rc = 1
-        try:
-            sys.stdout.flush()
-        except BaseException:
-            rc = 1
-        os._exit(rc & 255)
-    os.write(1, b"%d\n" % os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
-"""
+_SANDBOX_MODE, _SANDBOX_LOCK = [], threading.Lock()  # sandbox_mode's answer, found once per process
 _SLOTS = queue.SimpleQueue()  # a uid per concurrent check (as root), so a sweep by uid finds only its processes
-[_SLOTS.put(i) for i in range(64)]
-_MODE, _LOCK, _POOL = [], threading.Lock(), []
-
-
-def _procs(match):
-    """[(pid, status fields)] of the processes for which match(pid, status) holds, from /proc."""
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                st = dict(line.split(":", 1) for line in f if ":" in line)
-            out += [(int(pid), st)] if match(pid, st) else []
-        except (OSError, KeyError, ValueError):
-            pass  # gone meanwhile, or not ours to inspect
-    return out
-
-
-def _run_tests(program, tests, time_limit, mem, cap, mode):
-    ns, own_uid = mode
-    slot, box, files, p = _SLOTS.get(), tempfile.mkdtemp(prefix="scalerl-code-"), [], None
-    uid = 1_000_000 + os.getpid() % 4_000_000 * 64 + slot if own_uid else -1
-    try:
-        with open(os.path.join(box, "prog.py"), "w", encoding="utf-8") as f:
-            f.write(program)
-        for stdin, _ in tests:  # unnamed files: nothing a program could open by a path
-            files += [tempfile.TemporaryFile(dir=box), tempfile.TemporaryFile(dir=box)]
-            files[-2].write(stdin.encode()), files[-2].seek(0)
-        # RLIMIT_NPROC counts all processes of a uid: absolute with a uid or a user namespace of its own, else
-        # on top of what this user runs already
-        nproc = 16 if ns or own_uid else 16 + sum(int(st["Threads"]) for _, st in _procs(
-            lambda pid, st: int(st["Uid"].split()[0]) == os.getuid()))
-        fds = [f.fileno() for f in files]
-        args = [sys.executable, "-I", "-S", "-c", _BOOT, *map(str, [mem, cap + 1, nproc, uid, *fds])]
-        p = subprocess.Popen(ns + args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                             pass_fds=fds, cwd=box, env={"LC_ALL": "C.UTF-8"}, start_new_session=True)
-        if not select.select([p.stdout], [], [], 10.0)[0] or p.stdout.readline() != b"ready\n":
-            return False  # the interpreter did not start: not the program's fault, but a fail
-        for k, (_, want) in enumerate(tests):  # the wall clock of each test runs from the previous report
-            if not select.select([p.stdout], [], [], time_limit)[0] or p.stdout.readline().strip() != b"0":
-                return False
-            files[2 * k + 1].seek(0)
-            got = files[2 * k + 1].read(cap + 1)
-            if len(got) > cap or _lines(got.decode(errors="replace")) != _lines(want):
-                return False
-        return True
-    finally:
-        try:
-            _end(p, uid, box) if p is not None else None
-        finally:
-            [f.close() for f in files]
-            shutil.rmtree(box, ignore_errors=True)
-            _SLOTS.put(slot)
-
-
-def _end(p, uid, box):
-    """Kill a sandbox's process group (with a PID namespace the kernel then kills the rest), then sweep: what left
-    the group by setsid() still has the sandbox's uid, or its directory as working directory (chdir is refused)."""
-    with contextlib.suppress(OSError):
-        os.killpg(p.pid, 9)
-    p.wait(), p.stdout.close()
-    for _ in range(200):
-        strays = _procs(lambda pid, st: st["State"].split()[0] != "Z" and (
-            int(st["Uid"].split()[0]) == uid or os.readlink(f"/proc/{pid}/cwd") == box))
-        for pid, _ in strays:
-            with contextlib.suppress(OSError):  # it may have died since the scan
-                os.kill(pid, 9)
-        if not strays:
-            break
-        time.sleep(0.005)
-
-
-def _lines(text):
-    return [line.rstrip() for line in text.rstrip().splitlines()]
-
-
-def sandbox_mode():
-    """(command prefix, own uid?) of the strongest sandbox that runs a canary program here: network and PID
-    namespaces (`unshare`; as a plain user inside a user namespace), as root a uid of its own; None if none."""
-    with _LOCK:
-        if not _MODE:
-            root, unshare = os.geteuid() == 0, shutil.which("unshare")
-            ns = [unshare] + ([] if root else ["-r"]) + ["-n", "-p", "-f", "--kill-child"] if unshare else None
-            for mode in ([(ns, root)] if ns else []) + [([], root)] + ([] if root else [([], False)]):
-                if _run_tests("import math\nprint(int(input())+1)", [("41\n", "42")], 10.0, 256 << 20, 64, mode):
-                    _MODE.append(mode)
-                    break
-            else:  # never run untrusted code as root without a uid of its own
-                _MODE.append(None)
-                print("warning: no code sandbox works here; every program fails its tests", file=sys.stderr)
-        return _MODE[0]
+for _slot in range(64):
+    _SLOTS.put(_slot)
 
 
 def check_program(program, tests, time_limit=CODE_TIME_LIMIT, memory_mb=512, output_bytes=1 << 20):
@@ -659,133 +643,149 @@ def check_program(program, tests, time_limit=CODE_TIME_LIMIT, memory_mb=512, out
         return False
 
 
-def extract_program(completion):
-    """The program after the last </think>: the first ```python block when there is one, else all of it."""
-    text = extract_answer(completion)
-    m = _FENCE.search(text) if text else None
-    return m[1] if m else text
+def sandbox_mode():
+    """(command prefix, own uid?) of the strongest sandbox that runs a canary program here: network and PID
+    namespaces (`unshare`; as a plain user inside a user namespace), as root a uid of its own; None if none."""
+    with _SANDBOX_LOCK:
+        if not _SANDBOX_MODE:
+            root, unshare = os.geteuid() == 0, shutil.which("unshare")
+            namespaces = [unshare] + ([] if root else ["-r"]) + ["-n", "-p", "-f", "--kill-child"] if unshare else None
+            for mode in ([(namespaces, root)] if namespaces else []) + [([], root)] + ([] if root else [([], False)]):
+                if _run_tests("import math\nprint(int(input())+1)", [("41\n", "42")], 10.0, 256 << 20, 64, mode):
+                    _SANDBOX_MODE.append(mode)
+                    break
+            else:  # never run untrusted code as root without a uid of its own
+                _SANDBOX_MODE.append(None)
+                print("warning: no code sandbox works here; every program fails its tests", file=sys.stderr)
+        return _SANDBOX_MODE[0]
 
 
-@functools.lru_cache(maxsize=256)
-def code_tests(answer):
-    return [tuple(t) for t in json.loads(answer)]  # a code problem's answer: its hidden tests as JSON
-
-
-@functools.lru_cache(maxsize=4096)  # a group often holds the same program several times: run it once
-def _code_verdict(program, answer, time_limit):
-    return check_program(program, code_tests(answer), time_limit)
-
-
-def parallel_map(fn, items):
-    """[fn(x) for x in items] on a shared pool of CODE_WORKERS threads: a batch's code checks run side by side."""
-    with _LOCK:
-        _POOL[:] = _POOL or [concurrent.futures.ThreadPoolExecutor(CODE_WORKERS, thread_name_prefix="reward")]
-    return list(_POOL[0].map(fn, items))
-
-
-# The built-in code task: level L is f(a,b) with L terms in math notation, "f(a,b)=3ab-a+7"; the program prints
-# it for the a b on stdin. The thinking builds the Python expression a term at a time, "3*a*b,3*a*b-a,3*a*b-a+7";
-# slips (a coefficient off by one, a sign flipped, a variable swapped) carry on, like arith's.
-
-def _term(sign, coef, var, first, python):
-    body = ([str(coef)] if coef > 1 or not var else []) + list(var)
-    return ("-" if sign == "-" else "" if first else "+") + ("*".join(body) if python else "".join(body))
-
-
-def code_problems(n, seed=0, levels=(1, 2, 3), error_rate=0.0, start_id=0, split=None, n_tests=3):
-    """n built-in code problems (ids start_id..), each a function of (seed, id); as `arith_problems`."""
-    if not levels or any(not isinstance(L, int) or not 1 <= L <= 3 for L in levels):
-        raise ValueError(f"code levels must be integers in 1..3, got {levels!r}")
-    out, values = [], [v for v in range(-30, 31) if v not in (0, 1)]  # a single slip changes every output
-    for pid in range(start_id, start_id + n):
-        level, rng = levels[pid % len(levels)], random.Random(f"code:{seed}:{pid}")
-        for _ in range(10_000):  # rejection sampling into the requested side of the split
-            terms = [(rng.choice("+-"), rng.randint(1, 9), rng.choice(("a", "b", "ab", ""))) for _ in range(level)]
-            question = "f(a,b)=" + "".join(_term(*t, i == 0, False) for i, t in enumerate(terms))
-            if split is None or _is_val_question(question, seed) == (split == "val"):
-                break
-        tests = []
-        for a, b in (rng.sample(values, 2) for _ in range(n_tests)):  # a != b
-            f = sum((1 if s == "+" else -1) * c * (a if "a" in v else 1) * (b if "b" in v else 1) for s, c, v in terms)
-            tests.append((f"{a} {b}\n", f"{f}\n"))
-        slip, steps = random.Random(f"codeslip:{seed}:{pid}"), []
-        for i, (s, c, v) in enumerate(terms):
-            u, kind, up = slip.random(), slip.randrange(3), slip.random() < 0.5  # drawn whatever the rate
-            if u < error_rate:
-                s, c, v = [(s, c + 1 if c == 1 or up else c - 1, v), ("+-"[s == "+"], c, v),
-                           (s, c, {"a": "b", "b": "a", "ab": "a", "": "a"}[v])][kind]
-            steps.append((steps[-1] if steps else "") + _term(s, c, v, i == 0, True))
-        out.append(Problem(pid, question, json.dumps(tests), "code", level, ",".join(steps)))
-    return out
-
-
-def _code_rows(rows, source, prompt_key):
-    """Problems from DeepCoder/TACO-style rows: `tests` is a list of {input, output} (or [input, output]) or a dict
-    of inputs/outputs lists, maybe as JSON text; tests that call a function instead of reading stdin are left out."""
-    if prompt_key not in rows[0]:
-        raise ValueError(f"dataset {source!r} has no column {prompt_key!r}; columns: {sorted(rows[0])}; "
-                         f"set prompt_key=")
-    out = []
-    for i, row in enumerate(rows):
+def _run_tests(program, tests, time_limit, memory, output_cap, mode):
+    """True iff `program` passes every test, all in one sandboxed interpreter (see _BOOT) run under `mode`."""
+    namespaces, own_uid = mode
+    slot, box, files, proc = _SLOTS.get(), tempfile.mkdtemp(prefix="scalerl-code-"), [], None
+    uid = 1_000_000 + os.getpid() % 4_000_000 * 64 + slot if own_uid else -1
+    try:
+        with open(os.path.join(box, "prog.py"), "w", encoding="utf-8") as f:
+            f.write(program)
+        for stdin, _ in tests:  # unnamed files: nothing a program could open by a path
+            files += [tempfile.TemporaryFile(dir=box), tempfile.TemporaryFile(dir=box)]  # its stdin, its stdout
+            files[-2].write(stdin.encode())
+            files[-2].seek(0)
+        # RLIMIT_NPROC counts all processes of a uid: absolute with a uid or a user namespace of its own, else
+        # on top of what this user runs already
+        nproc = 16 if namespaces or own_uid else 16 + sum(int(status["Threads"]) for _, status in _processes(
+            lambda pid, status: int(status["Uid"].split()[0]) == os.getuid()))
+        fds = [f.fileno() for f in files]
+        args = [sys.executable, "-I", "-S", "-c", _BOOT, *map(str, [memory, output_cap + 1, nproc, uid, *fds])]
+        proc = subprocess.Popen(namespaces + args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, pass_fds=fds, cwd=box, env={"LC_ALL": "C.UTF-8"},
+                                start_new_session=True)
+        if not select.select([proc.stdout], [], [], 10.0)[0] or proc.stdout.readline() != b"ready\n":
+            return False  # the interpreter did not start: not the program's fault, but a fail
+        for k, (_, want) in enumerate(tests):  # the wall clock of each test runs from the previous report
+            if not select.select([proc.stdout], [], [], time_limit)[0] or proc.stdout.readline().strip() != b"0":
+                return False
+            files[2 * k + 1].seek(0)
+            got = files[2 * k + 1].read(output_cap + 1)
+            if len(got) > output_cap or _stripped_lines(got.decode(errors="replace")) != _stripped_lines(want):
+                return False
+        return True
+    finally:
         try:
-            t = json.loads(row["tests"]) if isinstance(row["tests"], str) else row["tests"]
-            t = ([] if t.get("fn_name") else list(zip(t["inputs"], t["outputs"]))) if isinstance(t, dict) else t
-            t = [dict(input=x[0], output=x[1]) if isinstance(x, (list, tuple)) else x for x in t]
-            tests = [(x["input"], x["output"]) for x in t if isinstance(x["input"], str) and isinstance(
-                x["output"], str) and x.get("testtype", "stdin") == "stdin" and x.get("type", "stdin_stdout")
-                == "stdin_stdout"]
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-            tests = []  # unreadable tests: the row cannot be checked
-        if tests and str(row.get(prompt_key) or "").strip():
-            out.append(Problem(i, str(row[prompt_key]).strip() + CODE_INSTRUCTION, json.dumps(tests), "code"))
-    if not out:
-        raise ValueError(f"dataset {source!r}: no row has stdin/stdout tests in its 'tests' column")
-    return out
+            if proc is not None:
+                _kill_sandbox(proc, uid, box)
+        finally:
+            for f in files:
+                f.close()
+            shutil.rmtree(box, ignore_errors=True)
+            _SLOTS.put(slot)
 
 
-def combine(parts):
-    """One (train, val) from several sources' (train, val) pairs, ids shifted to stay unique across them."""
-    train, val = [], []
-    for tr, va in parts:
-        if train or val:
-            shift = max(p.id for p in train + val) + 1
-            new = {p: replace(p, id=p.id + shift) for p in tr + va}
-            _RG.update({new[p]: _RG[p] for p in new if p in _RG})
-            tr, va = [new[p] for p in tr], [new[p] for p in va]
-        train, val = train + tr, val + va
-    return train, val
+# One interpreter per program: limits, as root a uid of its own, an audit hook (a second line only: PEP 578
+# hooks are no security boundary; the first is the uid and the namespaces), then a forked child per test with
+# that test's input and output files as stdin and stdout; each exit code is reported on stdout.
+_BOOT = r"""# scalerl sandbox
+import os, resource as R, sys
+mem, fsize, nproc, uid, *fds = map(int, sys.argv[1:])
+for k, v in ((R.RLIMIT_AS, mem), (R.RLIMIT_FSIZE, fsize), (R.RLIMIT_NPROC, nproc), (R.RLIMIT_CORE, 0)):
+    R.setrlimit(k, (v, v))
+code, null = compile(open("prog.py", encoding="utf-8").read(), "prog.py", "exec"), os.open(os.devnull, os.O_WRONLY)
+if uid >= 0:
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, 0, 0)
+    if not os.access(os.__file__, os.R_OK):  # the standard library is closed to other users: load the usual now
+        import array, bisect, collections, functools, heapq, itertools, math, operator, re, string
+    os.setresuid(uid, uid, uid)
+def hook(event, args, lib=os.path.realpath(os.path.dirname(os.__file__)) + os.sep, real=os.path.realpath,
+         write=os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC, isinstance=isinstance,
+         deny=("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.kill", "os.ch",
+               "signal.pthread_kill", "pty.", "os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.symlink",
+               "os.link", "os.truncate", "os.utime", "shutil.", "ctypes."), Err=PermissionError):
+    if (event.startswith(deny) or event == "import" and args[0].partition(".")[0] in ("ctypes", "_posixsubprocess")
+            or event == "object.__setattr__" and args[0] is hook or event == "open" and not isinstance(args[0], int)
+            and ((args[2] or 0) & write or not real(args[0]).startswith(lib))):  # reads of the standard library only
+        raise Err("sandbox: " + event + " is not allowed")
+sys.addaudithook(hook)
+sys.argv = ["prog.py"]
+os.write(1, b"ready\n")
+for i in range(0, len(fds), 2):
+    pid = os.fork()
+    if pid == 0:  # one test: its input and output files, nothing else open
+        for fd, std in ((fds[i], 0), (fds[i + 1], 1), (null, 2)):
+            os.dup2(fd, std)
+        os.closerange(3, 1 << 16)
+        try:
+            exec(code, {"__name__": "__main__"})
+            rc = 0
+        except SystemExit as e:
+            rc = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            rc = 1
+        try:
+            sys.stdout.flush()
+        except BaseException:
+            rc = 1
+        os._exit(rc & 255)
+    os.write(1, b"%d\n" % os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
 
 
-class MixedPool:
-    """A PromptPool per task (each with its own NPR and zero-variance curriculum), drawn from in fixed shares.
-    **choice** (the paper does not say how it mixes, §7): each draw goes to the task furthest below its share
-    so far, so every B consecutive prompts hold B x share of each task, to within one."""
+def _kill_sandbox(proc, uid, box):
+    """Kill a sandbox's process group (with a PID namespace the kernel then kills the rest), then sweep: what left
+    the group by setsid() still has the sandbox's uid, or its directory as working directory (chdir is refused)."""
+    with contextlib.suppress(OSError):
+        os.killpg(proc.pid, 9)
+    proc.wait()
+    proc.stdout.close()
+    for _ in range(200):
+        strays = _processes(lambda pid, status: status["State"].split()[0] != "Z" and (
+            int(status["Uid"].split()[0]) == uid or os.readlink(f"/proc/{pid}/cwd") == box))
+        for pid, _ in strays:
+            with contextlib.suppress(OSError):  # it may have died since the scan
+                os.kill(pid, 9)
+        if not strays:
+            break
+        time.sleep(0.005)
 
-    def __init__(self, problems, shares, seed=0, **pool_kw):
-        self.shares = {t: w / sum(shares.values()) for t, w in shares.items() if w > 0}
-        self.pools = {t: PromptPool([p for p in problems if p.task == t], seed, **pool_kw) for t in self.shares}
-        self.task_of, self.drawn = {p.id: p.task for p in problems}, dict.fromkeys(self.pools, 0)
 
-    npr_removed = property(lambda self: sum(p.npr_removed for p in self.pools.values()))
-    epoch = property(lambda self: min(p.epoch for p in self.pools.values()))  # the slowest task's epoch
+def _processes(match):
+    """[(pid, status fields)] of the processes for which match(pid, status) holds, from /proc."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                status = dict(line.split(":", 1) for line in f if ":" in line)
+            if match(pid, status):
+                found.append((int(pid), status))
+        except (OSError, KeyError, ValueError):
+            pass  # gone meanwhile, or not ours to inspect
+    return found
 
-    def next(self):
-        n = sum(self.drawn.values()) + 1
-        task = max(self.pools, key=lambda t: n * self.shares[t] - self.drawn[t])
-        self.drawn[task] += 1
-        return self.pools[task].next()
 
-    def record(self, prompt_id, rewards):  # an unknown id is a KeyError, as in PromptPool
-        return self.pools[self.task_of[prompt_id]].record(prompt_id, rewards)
-
-    def state_dict(self):
-        return {"drawn": dict(self.drawn), "pools": {t: p.state_dict() for t, p in self.pools.items()}}
-
-    def load_state_dict(self, state):
-        if set(state["pools"]) != set(self.pools):
-            raise ValueError(f"MixedPool state holds tasks {sorted(state['pools'])}, this pool {sorted(self.pools)}")
-        self.drawn = dict(state["drawn"])
-        [p.load_state_dict(state["pools"][t]) for t, p in self.pools.items()]
+def _stripped_lines(text):  # outputs compare line by line, trailing whitespace ignored
+    return [line.rstrip() for line in text.rstrip().splitlines()]
 
 
 if __name__ == "__main__":
