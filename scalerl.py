@@ -29,11 +29,8 @@ from dataclasses import dataclass, fields, asdict
 import contextlib
 import copy
 import difflib
-import hashlib
 import importlib.util
-import inspect
 import json
-import math
 import os
 import platform
 import random
@@ -48,6 +45,7 @@ import data
 import losses
 import pipeline_rl
 import sigmoid_fit
+import trainer
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Config: one dataclass, presets as override dicts, then --key=value.
@@ -231,7 +229,124 @@ def validate(cfg):
         fail("--npr_threshold must be in (0, 1] and --sft_error_rate in [0, 1)")
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Data, tokenizer, model, warm start
+# The recipe: set up, then one loop that is the same for one process and for every trainer rank under torchrun
+
+
+def main(cfg):
+    if cfg.dry_run:
+        from runs.plan import plan
+        return print(plan(cfg))
+    t_start = time.time()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    d, ck, at = start(cfg)  # roles under torchrun, the checkpoint (rank 0) and where the run resumes (every rank)
+    random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
+    train, val, tasks = load_data(cfg)
+    model, tok = load_model(cfg, tasks)
+    if d.rank == 0 and not at and cfg.model == "tiny":
+        trainer.warm_start(cfg, model, tok, os.path.dirname(os.path.normpath(cfg.out_dir)) or ".")
+    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
+    if ck:  # resuming: the checkpoint's weights replace the warm start (or the hub's weights)
+        with fits(ckpt_path):
+            model.load_state_dict(ck["model"])
+    if at or cfg.model == "tiny":
+        pipeline_rl.broadcast_from_rank0(d, model)  # every rank starts from rank 0's weights
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else \
+        torch.device("cpu")  # one GPU per rank under torchrun
+    model.to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    rollouts = None  # the generating side: in one process, and on generator ranks
+    if d.world == 1 or d.rank in d.generators:  # each generator rank draws from its own share of the prompts
+        share = train if d.world == 1 else train[d.generators.index(d.rank)::len(d.generators)]
+        rollouts = pipeline_rl.Rollouts(make_engine(cfg, model, tok, cfg.seed + d.rank), make_pool(cfg, share, tasks),
+                                        tok, cfg.max_prompt)
+    if d.rank in d.generators:  # a generator rank's whole job
+        if at:
+            rollouts.engine.version = at["version"]
+            restore_generator(rollouts, os.path.join(cfg.out_dir, f"generator{d.rank}.pt"), d.rank)
+        pipeline_rl.run_generator(d, rollouts, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
+                                  group_size=cfg.group_size, save_every=cfg.ckpt_every,
+                                  state_path=os.path.join(cfg.out_dir, f"generator{d.rank}.pt"))
+        return pipeline_rl.dist_cleanup(d)
+
+    # -- the trainer: policy (FSDP2 over several trainer ranks), optimizer, batch source, held-out evaluation ---------
+    body_dtype = getattr(torch, cfg.dtype)  # fp32 master weights; the body autocasts when dtype is lower
+    head_dtype = torch.float32 if cfg.fp32_head else body_dtype  # the FP32 head (Sec. 3.2)
+    policy = trainer.Policy(model, cfg.temperature, body_dtype, head_dtype, tok.pad_token_id)
+    if len(d.trainers) > 1:
+        trainer.shard(policy, model.model.layers, d)
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
+                            weight_decay=cfg.weight_decay)
+    source = pipeline_rl.Scheduler(rollouts, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
+                                   group_size=cfg.group_size, decode_per_step=cfg.decode_per_step) if d.world == 1 \
+        else pipeline_rl.TrainerLink(d, k=cfg.max_lag, batch_prompts=cfg.batch_prompts)
+    if d.rank == 0:  # held-out prompts, built once through the same guard as training prompts
+        eval_engine = make_engine(cfg, model, tok, cfg.seed + 1)
+        scorer = rollouts if d.world == 1 else pipeline_rl.Rollouts(eval_engine, None, tok, cfg.max_prompt)
+        held_out = [t for i, p in enumerate(val) if (t := scorer.template(p, -1 - i))]
+        if not held_out:
+            fail(f"none of the {len(val)} held-out prompts could be built (see the warnings); check --task and "
+                 "--max_prompt")
+    step, clock = restore_trainer(cfg, ck, at, d, policy, opt, source, rollouts)
+    if d.rank == 0:
+        log = open_log(cfg, d, step, n_params)
+        describe(cfg, d, n_params, len(train), len(val))
+    task_of = {p.id: p.task for p in train} if len(tasks) > 1 else {}
+
+    def evaluate_now(weights):  # held-out pass rate, logged (rank 0), not on the compute axis
+        eval_engine.load_weights(weights, source.version)
+        pr = evaluate(eval_engine, scorer, held_out, cfg.eval_samples, cfg.seed + 7919 * step, tasks)
+        log(dict(step=step, **clock, **pr, eval=True))
+        return f"held-out pass rate {pr['pass_rate']:.3f}{per_task(pr, 'pass_rate', tasks)}"
+
+    # -- the loop: the same for one process and for every trainer rank under torchrun ----------------------------
+    weights = trainer.full_state_dict(model)  # full weights (FSDP2: gathered on every trainer rank)
+    if step == 0 and not cfg.resume:  # a resume at step 0 already logged this eval
+        opt_state = trainer.optimizer_state(d, policy, opt)  # every trainer rank (FSDP2 gathers)
+        if d.rank == 0:
+            print(f"step    0 | {evaluate_now(weights)} (before RL: R0)")
+            save_checkpoint(ckpt_path, weights, opt_state, step, clock, source, d, rollouts)
+    t_loop, first, eval_s, bad_run = time.time(), step, 0.0, 0  # bad_run: non-finite steps in a row
+    while step < cfg.max_steps:
+        t0, c0, gen0 = time.time(), time.process_time(), source.totals()
+        batch = source.next_batch()  # B groups, scored, zero-variance filtered (Sec. 3.2)
+        t1 = time.time()
+        stats = trainer.train_step(policy, opt, batch.kept, cfg, step, d)
+        t_train = time.time() - t1
+        weights = trainer.full_state_dict(model)
+        source.push_weights(weights)  # in flight to the generators (PipelineRL) or after k steps (PPO-off-policy)
+        step += 1
+        dt = time.time() - t0
+        clock["device_hours"] += dt * d.world / 3600  # the compute axis counts every device
+        clock["cpu_hours"] += (time.process_time() - c0) / 3600  # this process's CPU time: immune to a busy machine
+        bad_run = 0 if stats["finite"] else bad_run + 1
+        save = step % cfg.ckpt_every == 0 or step == cfg.max_steps or bad_run >= cfg.max_nonfinite
+        opt_state = trainer.optimizer_state(d, policy, opt) if save else None  # every trainer rank (FSDP2 gathers)
+        if d.rank == 0:
+            row = metrics_row(step, clock, batch, stats, source.totals(), gen0, dt, t_train,
+                              max(len(d.generators), 1), source, task_of)
+            log(row)
+            eta = (time.time() - t_loop - eval_s) / (step - first) * (cfg.max_steps - step)
+            line = progress_line(row, cfg.max_steps, eta, tasks)
+            if not stats["finite"]:
+                line += f" | non-finite loss or gradients: step skipped ({bad_run} in a row)"
+            if step % cfg.eval_every == 0 or step == cfg.max_steps:
+                te = time.time()
+                line += " | " + evaluate_now(weights)
+                eval_s += time.time() - te
+            print(line, flush=True)
+            if save:  # after skipped steps the weights are still the last good ones
+                save_checkpoint(ckpt_path, weights, opt_state, step, clock, source, d, rollouts)
+        if bad_run >= cfg.max_nonfinite:
+            break
+    source.close()
+    pipeline_rl.dist_cleanup(d)
+    if d.rank == 0:
+        finish(cfg, step, bad_run, tasks, t_start)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Data, tokenizer, model
 
 
 def load_data(cfg):
@@ -314,226 +429,6 @@ def load_model(cfg, tasks):
         fail(f"cannot load --model={cfg.model}: {pipeline_rl.first_line(e)}; pass a local path, or go online "
              "once so the hub copy is cached")
 
-
-def warm_start(cfg, model, tok, out_root):
-    """Supervised warm start on the task's traces (some wrong on purpose), cached so later runs reuse it."""
-    if cfg.sft_steps == 0 or cfg.model != "tiny":
-        return
-    key = {k: getattr(cfg, k) for k in ("seed", "n_layer", "n_embd", "n_head", "task", "levels", "sft_steps",
-                                         "sft_batch", "sft_lr", "sft_error_rate")}
-    key["vocab"], key["code"] = tok.get_vocab(), inspect.getsource(warm_start)  # any change to the recipe re-trains
-    path = os.path.join(out_root, "warmstart", hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-                        + ".pt")
-    if os.path.exists(path):
-        model.load_state_dict(torch.load(path, weights_only=True))
-        print(f"warm start: loaded {path}")
-        return
-    levels, sources = tuple(int(x) for x in cfg.levels.split(",")), cfg.task.split("+")
-    # 4,000 traces per task from the training side of the split (held-out questions never appear), ids apart from RL's
-    traces = data.arith_problems(4000, seed=cfg.seed, levels=levels, error_rate=cfg.sft_error_rate, split="train",
-                                 start_id=10 ** 6) if "arith" in sources else []
-    if "code" in sources:
-        traces += data.code_problems(4000, seed=cfg.seed, error_rate=cfg.sft_error_rate, split="train",
-                                     start_id=10 ** 6)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
-    rng = random.Random(cfg.seed)
-    t0 = time.time()
-    model.train()
-    for it in range(cfg.sft_steps):
-        lr = cfg.sft_lr * min(1.0, (it + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * it / cfg.sft_steps)))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        ps = rng.sample(traces, cfg.sft_batch)
-        prompts = [encode(tok, data.format_prompt(p.question, tok)) for p in ps]
-        seqs = [pr + encode(tok, data.format_target(p)) + [tok.eos_token_id] for pr, p in zip(prompts, ps)]
-        ids, att, tmask = sequence_batch(seqs, [len(p) for p in prompts], tok.pad_token_id)
-        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        loss = (nll * tmask).sum() / tmask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if it % 100 == 0 or it == cfg.sft_steps - 1:
-            print(f"warm start {it:4d}/{cfg.sft_steps} | loss {loss.item():.3f} | {time.time() - t0:.0f}s")
-    model.zero_grad(set_to_none=True)  # else the last SFT gradient would leak into the first RL step's
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save(model.state_dict(), path + ".tmp")
-    os.replace(path + ".tmp", path)
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The trainer: batch tensors, the policy's forward, the policy gradient, one optimizer step, and its sharding under
-# torchrun (FSDP2 over the trainer ranks)
-
-
-def sequence_batch(seqs, starts, pad_id):
-    """Right-padded (N, L) ids, (N, L) attention mask, and the (N, L-1) mask of trainable target positions."""
-    L = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
-    att = torch.zeros(len(seqs), L, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)], att[i, :len(s)] = torch.tensor(s), 1
-    pos = torch.arange(1, L)[None]
-    tmask = (pos >= torch.tensor(starts)[:, None]) & att[:, 1:].bool()
-    return ids, att, tmask.float()
-
-
-def rollout_tensors(samples, pad_id):
-    """Trainer tensors for completions: ids/att (N, L); the loss mask and behaviour logprobs (N, L-1), aligned with
-    the target positions. Forced interruption tokens stay in the context but are masked out of the loss (App. A.10)."""
-    ids, att, tmask = sequence_batch([s.prompt_tokens + s.tokens for s in samples],
-                                     [len(s.prompt_tokens) for s in samples], pad_id)
-    gen_logp = torch.zeros(tmask.shape)
-    for i, s in enumerate(samples):
-        P, n = len(s.prompt_tokens), len(s.tokens)
-        gen_logp[i, P - 1:P - 1 + n] = torch.tensor(s.logprobs)
-        tmask[i, P - 1:P - 1 + n] *= 1 - torch.tensor(s.forced, dtype=torch.float)
-    return ids, att, tmask, gen_logp
-
-
-def loss_options(cfg):
-    return {"eps_max": cfg.eps_max} if cfg.loss == "cispo" else {
-        k: v for k, v in (("eps_low", cfg.eps_low), ("eps_high", cfg.eps_high)) if v >= 0}
-
-
-class Policy(torch.nn.Module):
-    """The trainer's forward as one module call, token logprobs (N, L-1) of ids (N, L): the body autocast to
-    `body_dtype` over fp32 master weights, the head in `head_dtype` (FP32 head, Sec. 3.2). One call is what FSDP2
-    needs: its hooks gather every weight the call uses, the head's included."""
-    def __init__(self, lm, temperature, body_dtype, head_dtype, pad_id=0):
-        super().__init__()
-        self.lm, self.temperature, self.body_dtype, self.head_dtype = lm, temperature, body_dtype, head_dtype
-        self.pad_id = pad_id  # fills the batch's padding (masked out of the loss)
-
-    def forward(self, ids, att):
-        with torch.autocast(ids.device.type, dtype=self.body_dtype, enabled=self.body_dtype != torch.float32):
-            hidden = self.lm.model(input_ids=ids, attention_mask=att).last_hidden_state  # (N, L, H)
-        logp = losses.head_logprobs(hidden[:, :-1], self.lm.lm_head.weight, ids[:, 1:], self.temperature,
-                                    self.head_dtype)
-        return logp.clone()  # not a view: FSDP2 hooks its backward onto the output
-
-
-def micro_batches(order, lengths, budget):
-    """Runs of `order` (sorted by length) that fit `budget` tokens once padded to their longest (the last)."""
-    out = []
-    for i in order:
-        if out and (len(out[-1]) + 1) * lengths[i] <= budget:
-            out[-1].append(i)
-        else:
-            out.append([i])
-    return out
-
-
-def policy_gradient(policy, groups, cfg, pad_id, rank=0, world=1):
-    """Backward of the RL loss (Sec. 3.2) on `groups`, accumulated into .grad over token-budget micro-batches.
-    With `world` trainer ranks, this rank takes every world-th completion by length; advantages and aggregation
-    weights come from the whole batch, so the ranks' gradients sum to the one-process gradient (float round-off
-    apart). Returns this rank's loss, token-weighted diagnostic sums (with n_tokens) and largest ratio."""
-    samples = [s for g in groups for s in g]
-    rewards = torch.tensor([s.reward for s in samples])
-    gid = torch.tensor([s.group for s in samples])
-    adv = losses.group_advantages(rewards, gid, norm=cfg.adv_norm)  # (N,)
-    dev = next(policy.parameters()).device
-    ids, att, tmask, gen_logp = (t.to(dev) for t in rollout_tensors(samples, pad_id))
-    adv, gid = adv.to(dev), gid.to(dev)
-    weights = losses.aggregation_weights(tmask, gid, how=cfg.agg)  # on the whole batch, sliced per micro-batch
-    lengths = att.sum(1).tolist()
-    order = sorted(range(len(samples)), key=lengths.__getitem__)  # similar lengths together: little padding
-    plans = [micro_batches(order[r::world], lengths, cfg.micro_batch_tokens) for r in range(world)]
-    policy.train()
-    total, sums, ratio_max = 0.0, dict(clip_frac=0.0, ratio_mean=0.0, mismatch_kl=0.0, n_tokens=0), 0.0
-    for i in range(max(map(len, plans))):
-        if i >= len(plans[rank]):  # FSDP2 ranks run the same number of passes: this one adds a zero gradient
-            (policy(ids[:1], att[:1]).sum() * 0).backward()
-            continue
-        mb = plans[rank][i]
-        L = lengths[mb[-1]]
-        loss, diag = losses.policy_loss(policy(ids[mb, :L], att[mb, :L]), gen_logp[mb, :L - 1], adv[mb],
-                                        tmask[mb, :L - 1], weights[mb, :L - 1], loss=cfg.loss, **loss_options(cfg))
-        loss.backward()
-        total += loss.item()
-        for k in ("clip_frac", "ratio_mean", "mismatch_kl"):
-            sums[k] += diag[k] * diag["n_tokens"]
-        sums["n_tokens"] += diag["n_tokens"]
-        ratio_max = max(ratio_max, diag["ratio_max"])
-    return total, sums, ratio_max
-
-
-def train_step(policy, opt, groups, cfg, step, d=pipeline_rl.Dist()):
-    """One optimizer step on the kept groups: AdamW with linear warm-up, gradient clipping, no KL (App. A.3). Under
-    FSDP2 each trainer rank takes its share of the completions and the gradients are summed. A non-finite loss or
-    gradient skips the update (one bad batch must not poison the weights and Adam's moments); a batch with no kept
-    group makes none. Returns the step's loss and token-averaged diagnostics, the same on every trainer rank."""
-    lr = cfg.lr * min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
-    for g in opt.param_groups:
-        g["lr"] = lr
-    if not groups:  # every group was zero-variance: no signal, no update
-        return dict(loss=0.0, clip_frac=0.0, ratio_mean=1.0, ratio_max=1.0, mismatch_kl=0.0, n_tokens=0, finite=True,
-                    lr=lr)
-    rank, n_trainers = d.trainers.index(d.rank), len(d.trainers)
-    with pipeline_rl.waiting_for(d, f"gradients of trainer ranks {d.trainers}") if n_trainers > 1 else \
-            contextlib.nullcontext():
-        loss, sums, ratio_max = policy_gradient(policy, groups, cfg, policy.pad_id, rank, n_trainers)
-        gnorm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
-        gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm  # FSDP2: a DTensor
-    sums, maxes = reduce_metrics(d, dict(sums, loss=loss), dict(ratio_max=ratio_max))
-    finite = math.isfinite(gnorm) and math.isfinite(sums["loss"])  # the same on every trainer rank
-    if finite:
-        opt.step()
-    opt.zero_grad(set_to_none=True)
-    n = sums["n_tokens"] or 1
-    return dict(loss=sums["loss"], **{k: sums[k] / n for k in ("clip_frac", "ratio_mean", "mismatch_kl")},
-                ratio_max=maxes["ratio_max"], n_tokens=int(sums["n_tokens"]), finite=finite, lr=lr)
-
-
-def shard(module, layers, d):
-    """FSDP2 over the trainer ranks: each of `layers` one unit, the rest (embeddings, final norm, head) the root.
-    Gradients are summed, not averaged: each rank's loss is its part of the whole batch's loss."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-    mesh = DeviceMesh.from_group(d.groups["trainer"], next(module.parameters()).device.type)
-    for m in [*layers, module]:
-        fully_shard(m, mesh=mesh)
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no average or pre-scaled sum
-    return module
-
-
-def full_state_dict(module):
-    """Full (unsharded) weights; under FSDP2 every trainer rank must call it (one all-gather per tensor)."""
-    from torch.distributed.tensor import DTensor
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
-
-
-def optimizer_state(d, module, opt):
-    """The optimizer state for a checkpoint. Under FSDP2 every trainer rank must call it: the shards are gathered in
-    full on trainer rank 0 (the others get {}); simple, but at 8B scale that is the whole AdamW state in one CPU."""
-    if len(d.trainers) == 1:
-        return opt.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-    with pipeline_rl.waiting_for(d, f"optimizer shards of trainer ranks {d.trainers}"):
-        return get_optimizer_state_dict(module, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def load_optimizer_state(d, module, opt, state):
-    """The inverse, on every trainer rank: `state` is trainer rank 0's (None elsewhere); FSDP2 ranks keep their shard."""
-    if len(d.trainers) == 1:
-        return opt.load_state_dict(state)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-    set_optimizer_state_dict(module, opt, pipeline_rl.share(d, state), options=StateDictOptions(full_state_dict=True))
-
-
-def reduce_metrics(d, sums, maxes):
-    """Sums and maxima (dicts of numbers) over the trainer ranks, before logging."""
-    if len(d.trainers) == 1:
-        return sums, maxes
-    import torch.distributed as dist
-    s, m = (torch.tensor(list(x.values()), dtype=torch.float64) for x in (sums, maxes))
-    with pipeline_rl.waiting_for(d, f"metrics from trainer ranks {d.trainers}"):
-        dist.all_reduce(s, group=d.groups["trainer"])
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=d.groups["trainer"])
-    return dict(zip(sums, s.tolist())), dict(zip(maxes, m.tolist()))
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Engines and evaluation
@@ -757,15 +652,16 @@ def restore_trainer(cfg, ck, at, d, policy, opt, source, rollouts):
     if not at:
         return 0, dict(device_hours=0.0, cpu_hours=0.0)
     with fits(os.path.join(cfg.out_dir, "ckpt.pt")):
-        load_optimizer_state(d, policy, opt, ck["opt"] if ck else None)
+        trainer.load_optimizer_state(d, policy, opt, ck["opt"] if ck else None)
         if d.world == 1:
             rollouts.load_state_dict(ck["generating"])
     source.version, source.dropped_stale = at["version"], at["stale"]
     if d.world == 1:
         source.admitted = at["version"] * cfg.batch_prompts + at["stale"]  # in-flight groups are regenerated
         rollouts.engine.version = at["version"]  # it was built from the checkpoint's weights
-    clock = dict(device_hours=ck["device_hours"], cpu_hours=ck.get("cpu_hours", 0.0)) if ck else {}
+    clock = dict(device_hours=0.0, cpu_hours=0.0)  # only rank 0 logs the clock
     if ck:
+        clock = dict(device_hours=ck["device_hours"], cpu_hours=ck.get("cpu_hours", 0.0))
         torch.set_rng_state(ck["torch_rng"])
     print0(f"resumed {cfg.out_dir} at step {at['step']} (in-flight completions are regenerated)")
     return at["step"], clock
@@ -784,122 +680,6 @@ def finish(cfg, step, bad_run, tasks, t_start):
                                   plot=os.path.join(cfg.out_dir, "curve.png")))
     except ValueError as e:
         print(f"sigmoid fit skipped: {e}")
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The recipe
-
-
-def main(cfg):
-    if cfg.dry_run:
-        from runs.plan import plan
-        return print(plan(cfg))
-    t_start = time.time()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    d, ck, at = start(cfg)  # roles under torchrun, the checkpoint (rank 0) and where the run resumes (every rank)
-    random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
-    train, val, tasks = load_data(cfg)
-    model, tok = load_model(cfg, tasks)
-    if d.rank == 0 and not at and cfg.model == "tiny":
-        warm_start(cfg, model, tok, os.path.dirname(os.path.normpath(cfg.out_dir)) or ".")
-    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
-    if ck:  # resuming: the checkpoint's weights replace the warm start (or the hub's weights)
-        with fits(ckpt_path):
-            model.load_state_dict(ck["model"])
-    if at or cfg.model == "tiny":
-        pipeline_rl.broadcast_from_rank0(d, model)  # every rank starts from rank 0's weights
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else \
-        torch.device("cpu")  # one GPU per rank under torchrun
-    model.to(device)
-    n_params = sum(p.numel() for p in model.parameters())
-    rollouts = None  # the generating side: in one process, and on generator ranks
-    if d.world == 1 or d.rank in d.generators:  # each generator rank draws from its own share of the prompts
-        share = train if d.world == 1 else train[d.generators.index(d.rank)::len(d.generators)]
-        rollouts = pipeline_rl.Rollouts(make_engine(cfg, model, tok, cfg.seed + d.rank), make_pool(cfg, share, tasks),
-                                        tok, cfg.max_prompt)
-    if d.rank in d.generators:  # a generator rank's whole job
-        if at:
-            rollouts.engine.version = at["version"]
-            restore_generator(rollouts, os.path.join(cfg.out_dir, f"generator{d.rank}.pt"), d.rank)
-        pipeline_rl.run_generator(d, rollouts, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
-                                  group_size=cfg.group_size, save_every=cfg.ckpt_every,
-                                  state_path=os.path.join(cfg.out_dir, f"generator{d.rank}.pt"))
-        return pipeline_rl.dist_cleanup(d)
-
-    # -- the trainer: policy (FSDP2 over several trainer ranks), optimizer, batch source, held-out evaluation ---------
-    body_dtype = getattr(torch, cfg.dtype)  # fp32 master weights; the body autocasts when dtype is lower
-    policy = Policy(model, cfg.temperature, body_dtype, torch.float32 if cfg.fp32_head else body_dtype, tok.pad_token_id)
-    if len(d.trainers) > 1:
-        shard(policy, model.model.layers, d)
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
-                            weight_decay=cfg.weight_decay)
-    source = pipeline_rl.Scheduler(rollouts, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
-                                   group_size=cfg.group_size, decode_per_step=cfg.decode_per_step) if d.world == 1 \
-        else pipeline_rl.TrainerLink(d, k=cfg.max_lag, batch_prompts=cfg.batch_prompts)
-    if d.rank == 0:  # held-out prompts, built once through the same guard as training prompts
-        eval_engine = make_engine(cfg, model, tok, cfg.seed + 1)
-        scorer = rollouts if d.world == 1 else pipeline_rl.Rollouts(eval_engine, None, tok, cfg.max_prompt)
-        held_out = [t for i, p in enumerate(val) if (t := scorer.template(p, -1 - i))]
-        if not held_out:
-            fail(f"none of the {len(val)} held-out prompts could be built (see the warnings); check --task and "
-                 "--max_prompt")
-    step, clock = restore_trainer(cfg, ck, at, d, policy, opt, source, rollouts)
-    if d.rank == 0:
-        log = open_log(cfg, d, step, n_params)
-        describe(cfg, d, n_params, len(train), len(val))
-    task_of = {p.id: p.task for p in train} if len(tasks) > 1 else {}
-
-    def evaluate_now(weights):  # held-out pass rate, logged (rank 0), not on the compute axis
-        eval_engine.load_weights(weights, source.version)
-        pr = evaluate(eval_engine, scorer, held_out, cfg.eval_samples, cfg.seed + 7919 * step, tasks)
-        log(dict(step=step, **clock, **pr, eval=True))
-        return f"held-out pass rate {pr['pass_rate']:.3f}{per_task(pr, 'pass_rate', tasks)}"
-
-    # -- the loop: the same for one process and for every trainer rank under torchrun ----------------------------
-    weights = full_state_dict(model)  # full weights (FSDP2: gathered on every trainer rank)
-    if step == 0 and not cfg.resume:  # a resume at step 0 already logged this eval
-        opt_state = optimizer_state(d, policy, opt)  # every trainer rank (FSDP2 gathers)
-        if d.rank == 0:
-            print(f"step    0 | {evaluate_now(weights)} (before RL: R0)")
-            save_checkpoint(ckpt_path, weights, opt_state, step, clock, source, d, rollouts)
-    t_loop, first, eval_s, bad_run = time.time(), step, 0.0, 0  # bad_run: non-finite steps in a row
-    while step < cfg.max_steps:
-        t0, c0, gen0 = time.time(), time.process_time(), source.totals()
-        batch = source.next_batch()  # B groups, scored, zero-variance filtered (Sec. 3.2)
-        t1 = time.time()
-        stats = train_step(policy, opt, batch.kept, cfg, step, d)
-        t_train = time.time() - t1
-        weights = full_state_dict(model)
-        source.push_weights(weights)  # in flight to the generators (PipelineRL) or after k steps (PPO-off-policy)
-        step += 1
-        dt = time.time() - t0
-        clock["device_hours"] += dt * d.world / 3600  # the compute axis counts every device
-        clock["cpu_hours"] += (time.process_time() - c0) / 3600  # this process's CPU time: immune to a busy machine
-        bad_run = 0 if stats["finite"] else bad_run + 1
-        save = step % cfg.ckpt_every == 0 or step == cfg.max_steps or bad_run >= cfg.max_nonfinite
-        opt_state = optimizer_state(d, policy, opt) if save else None  # every trainer rank (FSDP2 gathers)
-        if d.rank == 0:
-            row = metrics_row(step, clock, batch, stats, source.totals(), gen0, dt, t_train,
-                              max(len(d.generators), 1), source, task_of)
-            log(row)
-            eta = (time.time() - t_loop - eval_s) / (step - first) * (cfg.max_steps - step)
-            line = progress_line(row, cfg.max_steps, eta, tasks)
-            if not stats["finite"]:
-                line += f" | non-finite loss or gradients: step skipped ({bad_run} in a row)"
-            if step % cfg.eval_every == 0 or step == cfg.max_steps:
-                te = time.time()
-                line += " | " + evaluate_now(weights)
-                eval_s += time.time() - te
-            print(line, flush=True)
-            if save:  # after skipped steps the weights are still the last good ones
-                save_checkpoint(ckpt_path, weights, opt_state, step, clock, source, d, rollouts)
-        if bad_run >= cfg.max_nonfinite:
-            break
-    source.close()
-    pipeline_rl.dist_cleanup(d)
-    if d.rank == 0:
-        finish(cfg, step, bad_run, tasks, t_start)
-
 
 if __name__ == "__main__":
     main(parse_args(sys.argv[1:]))
