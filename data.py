@@ -1,7 +1,8 @@
 """Prompts, verifiable rewards and the filtering curriculum for scalerl. Standalone: no project imports.
 
 Its sections, in order:
-1. Problems and the prompt format: `Problem`; `format_prompt` / `format_target`: `<think> ... </think> answer`.
+1. Problems and the prompt format: `Problem`; `format_prompt` / `format_target`: `<think> ... </think> answer`;
+   `char_tokenizer`, the tiny model's character-level tokenizer.
 2. The built-in arithmetic task "arith" (offline): chains of single-digit additions with a step-by-step scratchpad.
 3. The code task: the built-in "code" (offline: print f(a,b) for the a b on stdin, with hidden tests), reading the
    program out of a completion, and DeepCoder-style rows (a `tests` column of stdin/stdout pairs).
@@ -72,6 +73,27 @@ def format_prompt(question, tokenizer=None):
     else:
         text = PLAIN_TEMPLATE.format(question=question)
     return text if text.rstrip().endswith(THINK_OPEN) else text + THINK_OPEN
+
+
+def encode(tok, text):
+    """Token ids of `text`, without the tokenizer's special tokens (the prompt format carries its own)."""
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def char_tokenizer(chars):
+    """A character-level `transformers` fast tokenizer with <think>/</think> as single tokens and a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, Regex
+    from transformers import PreTrainedTokenizerFast
+    specials = ["<pad>", "<eos>", "<unk>", THINK_OPEN, THINK_CLOSE]
+    vocab = {t: i for i, t in enumerate(specials + sorted(set(chars) - set(specials)))}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    tok.add_tokens([THINK_OPEN, THINK_CLOSE])
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}={% endif %}")
+    return tok
 
 
 def format_target(problem):

@@ -253,7 +253,8 @@ class TorchEngine(Engine):
         return tokens, logp.gather(-1, tokens[:, None])[:, 0]
 
     def _refill(self, done):
-        """Continuous batching: start waiting completions in free slots; one prefill per prompt, KV copied to siblings."""
+        """Continuous batching: start waiting completions in free slots; one prefill per prompt, KV copied to
+        siblings."""
         free = [i for i, run in enumerate(self.slots) if run is None]
         while free and self.waiting:
             template, n, hidden = self.waiting[0]
@@ -314,7 +315,7 @@ class Rollouts:
     def template(self, problem, group):
         """A problem as a group template, or None (warned, counted) if its prompt cannot be built or is too long."""
         try:
-            ids = self.tok(data.format_prompt(problem.question, self.tok), add_special_tokens=False)["input_ids"]
+            ids = data.encode(self.tok, data.format_prompt(problem.question, self.tok))
             if len(ids) > self.max_prompt:
                 raise ValueError(f"{len(ids)} prompt tokens, over --max_prompt={self.max_prompt}")
             return Sample(problem.id, group, ids, meta=problem)
@@ -378,7 +379,7 @@ class Rollouts:
 @dataclass
 class Batch:
     """One optimizer step's worth of groups, scored, with the lag of their tokens at the trainer's version."""
-    groups: list                   # B groups (lists of G scored Samples) in admission order (empty on trainer ranks > 0)
+    groups: list                   # B groups (lists of G scored Samples), admission order (trainer rank 0 only)
     kept: list                     # the groups the zero-variance filter keeps for the loss (every trainer rank)
     lag_mean: float = 0.0          # mean lag, in policy versions, of the sampled tokens
     lag_max: int = 0               # largest lag: at most k (PipelineRL-k)
@@ -782,7 +783,8 @@ class VLLMEngine(Engine):
         self.dir = tempfile.mkdtemp(prefix="scalerl-vllm-")  # the model for vLLM to load (and reload from)
         atexit.register(shutil.rmtree, self.dir, True)
         cfg.save_pretrained(self.dir)
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(self.dir, "model.safetensors"))
+        weights_file = os.path.join(self.dir, "model.safetensors")
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, weights_file)
         self.llm = LLMEngine.from_engine_args(EngineArgs(
             model=self.dir, skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."), seed=seed,
             max_model_len=self.max_len, max_num_seqs=slots, enforce_eager=True, async_scheduling=False,
@@ -816,7 +818,8 @@ class VLLMEngine(Engine):
         weights = {name: state[name].detach().to(dtype) for name in self.model.state_dict()}
         if self.child:  # the engine's process reads them from disk (its RPC does not carry tensors)
             from safetensors.torch import save_file
-            save_file({k: v.cpu().contiguous() for k, v in weights.items()}, os.path.join(self.dir, "model.safetensors"))
+            path = os.path.join(self.dir, "model.safetensors")
+            save_file({k: v.cpu().contiguous() for k, v in weights.items()}, path)
             self.llm.collective_rpc("reload_weights", kwargs=dict(weights_path=self.dir))
         else:
             self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(weights.items())))

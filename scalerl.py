@@ -124,7 +124,7 @@ class Config:
     dist_timeout: float = 60.0         # seconds a rank waits on another before exiting with a message (> one eval)
 
 
-# The paper's 8B run (App. A.3, A.16; RECIPE.md §6-7). The paper's model is unnamed: Qwen3-8B is a public 8B reasoning
+# The paper's 8B run (App. A.3, A.10, A.16). The paper's model is unnamed: Qwen3-8B is a public 8B reasoning
 # model with a <think> section (choice). The step count is ours too: the paper reports GPU-hours, not steps.
 PAPER_8B = dict(model="Qwen/Qwen3-8B", task="polaris", n_train=60000, eval_prompts=1000, eval_samples=16, eval_every=100,
                 max_steps=8000, ckpt_every=100, sft_steps=0, dtype="bfloat16", fp32_head=True, engine="vllm",
@@ -386,22 +386,6 @@ def make_pool(cfg, train, tasks):
     return data.MixedPool(train, shares, **kw)
 
 
-def char_tokenizer(chars):
-    """A character-level `transformers` fast tokenizer with <think>/</think> as single tokens and a chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, Regex
-    from transformers import PreTrainedTokenizerFast
-    specials = ["<pad>", "<eos>", "<unk>", data.THINK_OPEN, data.THINK_CLOSE]
-    vocab = {t: i for i, t in enumerate(specials + sorted(set(chars) - set(specials)))}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tk.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    tok.add_tokens([data.THINK_OPEN, data.THINK_CLOSE])
-    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
-                         "{% if add_generation_prompt %}={% endif %}")
-    return tok
-
-
 def build_model(cfg, vocab_size):
     from transformers import LlamaConfig, LlamaForCausalLM
     mc = LlamaConfig(vocab_size=vocab_size, hidden_size=cfg.n_embd, intermediate_size=3 * cfg.n_embd,
@@ -411,15 +395,11 @@ def build_model(cfg, vocab_size):
     return LlamaForCausalLM(mc)
 
 
-def encode(tok, text):
-    return tok(text, add_special_tokens=False)["input_ids"]
-
-
 def load_model(cfg, tasks):
     """(model, tokenizer): the tiny Llama and its character tokenizer built in code, or any causal LM by hub name or
     path (fp32 master weights)."""
     if cfg.model == "tiny":
-        tok = char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=" + ("code" in tasks) * data.CODE_CHARS)
+        tok = data.char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=" + ("code" in tasks) * data.CODE_CHARS)
         return build_model(cfg, len(tok)), tok
     from transformers import AutoModelForCausalLM, AutoTokenizer
     try:
@@ -442,8 +422,9 @@ def make_engine(cfg, model, tok, seed, device=None):
         return engine_cls(
             copy.deepcopy(model).to(device or next(model.parameters()).device, getattr(torch, cfg.dtype)),
             slots=cfg.slots, max_prompt=cfg.max_prompt, think_budget=(cfg.think_min, cfg.think_max),
-            answer_budget=cfg.answer_budget, eos_id=tok.eos_token_id, think_close_ids=encode(tok, data.THINK_CLOSE),
-            interrupt_ids=encode(tok, data.INTERRUPT_PHRASE) if cfg.interrupt else None, temperature=cfg.temperature,
+            answer_budget=cfg.answer_budget, eos_id=tok.eos_token_id,
+            think_close_ids=data.encode(tok, data.THINK_CLOSE), temperature=cfg.temperature,
+            interrupt_ids=data.encode(tok, data.INTERRUPT_PHRASE) if cfg.interrupt else None,
             head_dtype=torch.float32 if cfg.fp32_head else getattr(torch, cfg.dtype), seed=seed)
     except ImportError as e:  # vllm not installed (or a broken install)
         fail(f"--engine vllm needs vLLM: pip install -r requirements-vllm.txt ({pipeline_rl.first_line(e)})")
@@ -468,14 +449,6 @@ def evaluate(engine, scorer, templates, n, seed, tasks=()):
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Run directory: config.json, metrics.jsonl (append-only, flushed per line), ckpt.pt (atomic)
-
-
-def git_hash():
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__)), timeout=5).stdout.strip() or None
-    except Exception:  # noqa: BLE001 -- no git is fine: the hash is informational
-        return None
 
 
 def atomic_save(obj, path):
@@ -543,7 +516,11 @@ def open_log(cfg, d, step, n_params):
                     transformers=__import__("transformers").__version__)
     if cfg.engine == "vllm":
         versions["vllm"] = __import__("vllm").__version__
-    meta = dict(config=asdict(cfg), versions=versions, git=git_hash(), n_params=n_params,
+    git = None
+    with contextlib.suppress(Exception):  # no git is fine: the hash is informational
+        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    meta = dict(config=asdict(cfg), versions=versions, git=git, n_params=n_params,
                 ranks=dict(trainers=d.trainers, generators=d.generators))
     with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
         json.dump(meta, f, indent=1)
@@ -596,13 +573,13 @@ def progress_line(row, max_steps, eta, tasks):
 
 def describe(cfg, d, n_params, n_train, n_val):
     """The numbers that matter, printed at start-up."""
-    B, G = cfg.batch_prompts, cfg.group_size
+    B, G, k = cfg.batch_prompts, cfg.group_size, cfg.max_lag
     print(f"scalerl | {cfg.model} {n_params / 1e6:.2f}M params, body {cfg.dtype}, head "
-          f"{'fp32' if cfg.fp32_head else cfg.dtype} | {cfg.task}: {n_train} train / {n_val} held-out prompts")
-    print(f"  {B} prompts x {G} completions = {B * G} per step | {cfg.max_steps} steps | think {cfg.think_min}-"
-          f"{cfg.think_max} + answer {cfg.answer_budget} tokens | interruption {'on' if cfg.interrupt else 'off'}")
-    print(f"  {cfg.loss} loss, {cfg.agg} aggregation, {cfg.adv_norm} adv norm, zero-var filter {cfg.zero_var_filter}, "
-          f"NPR {cfg.npr} | {'PipelineRL' if cfg.off_policy == 'pipeline' else 'PPO-off-policy'}-{cfg.max_lag}, "
+          f"{'fp32' if cfg.fp32_head else cfg.dtype} | {cfg.task}: {n_train} train / {n_val} held-out prompts\n"
+          f"  {B} prompts x {G} completions = {B * G} per step | {cfg.max_steps} steps | think {cfg.think_min}-"
+          f"{cfg.think_max} + answer {cfg.answer_budget} tokens | interruption {'on' if cfg.interrupt else 'off'}\n"
+          f"  {cfg.loss} loss, {cfg.agg} aggregation, {cfg.adv_norm} adv norm, zero-var filter {cfg.zero_var_filter}, "
+          f"NPR {cfg.npr} | {'PipelineRL' if cfg.off_policy == 'pipeline' else 'PPO-off-policy'}-{k}, "
           f"{cfg.decode_per_step} decode steps per train step | engine {cfg.engine}, {cfg.slots} slots")
     if d.world > 1:
         print(f"  torchrun: {d.world} ranks | trainer ranks {d.trainers}{' (FSDP2)' if len(d.trainers) > 1 else ''} | "

@@ -182,8 +182,8 @@ def warm_start(cfg, model, tok, out_root):
         for g in opt.param_groups:
             g["lr"] = lr
         ps = rng.sample(traces, cfg.sft_batch)
-        prompts = [_encode(tok, data.format_prompt(p.question, tok)) for p in ps]
-        seqs = [pr + _encode(tok, data.format_target(p)) + [tok.eos_token_id] for pr, p in zip(prompts, ps)]
+        prompts = [data.encode(tok, data.format_prompt(p.question, tok)) for p in ps]
+        seqs = [pr + data.encode(tok, data.format_target(p)) + [tok.eos_token_id] for pr, p in zip(prompts, ps)]
         ids, att, tmask = sequence_batch(seqs, [len(p) for p in prompts], tok.pad_token_id)
         logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
@@ -197,10 +197,6 @@ def warm_start(cfg, model, tok, out_root):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     torch.save(model.state_dict(), path + ".tmp")
     os.replace(path + ".tmp", path)
-
-
-def _encode(tok, text):
-    return tok(text, add_special_tokens=False)["input_ids"]
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Under torchrun: FSDP2 over the trainer ranks
@@ -238,7 +234,8 @@ def optimizer_state(d, module, opt):
 
 
 def load_optimizer_state(d, module, opt, state):
-    """The inverse, on every trainer rank: `state` is trainer rank 0's (None elsewhere); FSDP2 ranks keep their shard."""
+    """The inverse, on every trainer rank: `state` is trainer rank 0's (None elsewhere); FSDP2 ranks keep their
+    shard."""
     if len(d.trainers) == 1:
         return opt.load_state_dict(state)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict

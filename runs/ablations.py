@@ -10,7 +10,7 @@ is continued with --resume. Logs go to OUT/<name>/stdout.log. The report fits ev
 cpu_hours (the training process's CPU time; device_hours is wall time and grows with the machine's load when
 runs share it), writes OUT/<comparison>.png and OUT/results.md.
 
-The comparisons (RECIPE.md §5, §8; the paper's section in brackets):
+The comparisons (the paper's section in brackets):
   predictability  fit the default run on its first half, predict the second        (Sec. 2.1, Fig. 1)
   off_policy      PipelineRL-2 vs PPO-off-policy-2                                  (Sec. 3.1, Fig. 4a)
   precision       FP32 head + FP32 body vs bf16 head + bf16 body                     (Sec. 3.2, Fig. 5b)
