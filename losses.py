@@ -30,8 +30,6 @@ the kept groups here, or zero the mask of dropped ones (a group without loss tok
 Run the tests with `python -m pytest tests/test_losses.py -q`, the memory benchmark of the chunked FP32 head
 with `python bench/token_logprobs.py`.
 """
-import inspect
-
 import torch
 
 # ----------------------------------------------------------------------------- advantages (Sec. 3.2)
@@ -137,12 +135,15 @@ def aggregate(per_token, mask, group, how="prompt"):
 
 # ----------------------------------------------------------------------------- registry and entry point
 
-# Every entry takes (logp, gen_logp, adv, mask, **options); its keyword defaults are the paper's values
-# (Sec. 3.2, Sec. 4) and policy_loss reads them from the signature for its diagnostics.
-LOSSES = {
-    "cispo": lambda lp, gen, adv, mask, eps_max=4.0: cispo(lp, gen, adv, eps_max),
-    "dapo": lambda lp, gen, adv, mask, eps_low=0.2, eps_high=0.28: ppo_clip(lp, gen, adv, eps_low, eps_high),
-    "grpo": lambda lp, gen, adv, mask, eps_low=0.2, eps_high=0.2: ppo_clip(lp, gen, adv, eps_low, eps_high),
+# The paper's option values for each loss, in one place: CISPO's truncation cap eps_max = 4 (Sec. 3.2: 4, 5 and 8
+# tied); DAPO's clip-higher range 0.2 / 0.28 (Sec. 3.2); GRPO's symmetric 0.2 (Sec. 3.2); GSPO's sequence-ratio
+# range 3e-3 / 5e-3 (Sec. 3.2: GSPO's own 3e-4 / 4e-4 did not work for them). Options passed by name override them.
+DEFAULTS = {"cispo": dict(eps_max=4.0), "dapo": dict(eps_low=0.2, eps_high=0.28),
+            "grpo": dict(eps_low=0.2, eps_high=0.2), "gspo": dict(eps_low=3e-3, eps_high=5e-3)}
+LOSSES = {  # name -> per-token loss (B, T) of (logp, gen_logp, adv, mask, **DEFAULTS[name])
+    "cispo": lambda lp, gen, adv, mask, eps_max: cispo(lp, gen, adv, eps_max),
+    "dapo": lambda lp, gen, adv, mask, eps_low, eps_high: ppo_clip(lp, gen, adv, eps_low, eps_high),
+    "grpo": lambda lp, gen, adv, mask, eps_low, eps_high: ppo_clip(lp, gen, adv, eps_low, eps_high),
     "gspo": gspo,
 }
 
@@ -152,8 +153,7 @@ def policy_loss(logp, gen_logp, adv, mask, weights, loss="cispo", **kw):
     micro-batch); kw overrides the loss's options (eps_max; eps_low, eps_high)."""
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {sorted(LOSSES)}; got {loss!r}")
-    fn = LOSSES[loss]
-    opts = {k: p.default for k, p in inspect.signature(fn).parameters.items() if p.default is not p.empty}
+    fn, opts = LOSSES[loss], dict(DEFAULTS[loss])
     if set(kw) - set(opts):
         raise ValueError(f"loss {loss!r} takes options {sorted(opts)}; got {sorted(kw)}")
     opts.update(kw)
@@ -186,39 +186,35 @@ def policy_loss(logp, gen_logp, adv, mask, weights, loss="cispo", **kw):
 
 
 class _FP32HeadLogprobs(torch.autograd.Function):
-    """Logprobs (and entropy) of targets under softmax(h W^T / tau), chunk by chunk over tokens. Forward
-    keeps only a log-normaliser per token; backward recomputes each chunk's logits. Both passes work in
-    place in one reused (chunk, V) buffer (a second one only if the entropy itself is differentiated):
-    autograd through log_softmax would keep every chunk's logits, and per-chunk checkpointing still holds
-    several (chunk, V) tensors at once and pays for fresh pages on every chunk."""
+    """Logprobs of targets under softmax(h W^T / tau), chunk by chunk over tokens. Forward keeps only a
+    log-normaliser per token; backward recomputes each chunk's logits. Both passes work in place in one reused
+    (chunk, V) buffer: autograd through log_softmax would keep every chunk's logits, and per-chunk checkpointing
+    still holds several (chunk, V) tensors at once and pays for fresh pages on every chunk."""
 
     @staticmethod
-    def forward(ctx, h, w, targets, chunk, tau, want_entropy):  # h (N, H), w (V, H), targets (N,)
+    def forward(ctx, h, w, targets, chunk, tau):  # h (N, H), w (V, H), targets (N,)
         dt = torch.promote_types(torch.promote_types(h.dtype, w.dtype), torch.float32)
         wf = w.to(dt)
         buf = wf.new_empty(min(chunk, h.shape[0]), w.shape[0])  # (C, V): the only large tensor
         lp = wf.new_empty(h.shape[0])
-        lse, ent = torch.empty_like(lp), torch.empty_like(lp)
+        lse = torch.empty_like(lp)
         for i in range(0, h.shape[0], chunk):
             _, z = _chunk_logits(h, wf, i, chunk, tau, buf)
             zmax = z.amax(-1, keepdim=True)
             z.sub_(zmax)
             tgt = z.gather(1, targets[i:i + chunk, None])[:, 0]
-            s = z.exp_().sum(-1)  # z now holds exp(logits - max)
-            if want_entropy:  # -sum p log p with p = exp / sum, still in the same buffer
-                ent[i:i + chunk] = torch.special.entr(z.div_(s[:, None]), out=z).sum(-1)
-            lse[i:i + chunk] = s.log() + zmax[:, 0]
+            lse[i:i + chunk] = z.exp_().sum(-1).log() + zmax[:, 0]
             lp[i:i + chunk] = tgt + zmax[:, 0] - lse[i:i + chunk]
         ctx.chunk, ctx.tau = chunk, tau
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(h, w, targets, lse, ent)
-        return (lp, ent) if want_entropy else lp
+        ctx.save_for_backward(h, w, targets, lse)
+        return lp
 
     @staticmethod
-    def backward(ctx, g_lp, g_ent=None):
-        h, w, targets, lse, ent = ctx.saved_tensors
-        if g_lp is None and g_ent is None:
-            return (None,) * 6
+    def backward(ctx, g_lp):
+        h, w, targets, lse = ctx.saved_tensors
+        if g_lp is None:
+            return (None,) * 5
         chunk, tau = ctx.chunk, ctx.tau
         wf = w.to(lse.dtype)
         buf = wf.new_empty(min(chunk, h.shape[0]), w.shape[0])
@@ -226,18 +222,9 @@ class _FP32HeadLogprobs(torch.autograd.Function):
         grad_w = wf.new_zeros(w.shape) if ctx.needs_input_grad[1] else None
         for i in range(0, h.shape[0], chunk):
             hc, g = _chunk_logits(h, wf, i, chunk, tau, buf)
-            g.sub_(lse[i:i + chunk, None])  # log-probabilities
-            # d logp_target / dz = onehot - p ; d entropy / dz = -p (log p + H) ; z = logits / tau
-            if g_ent is not None:
-                p = g.exp()  # second buffer, only when the entropy is differentiated
-                g.add_(ent[i:i + chunk, None]).mul_(p).mul_(-g_ent[i:i + chunk, None])
-                if g_lp is not None:
-                    g.sub_(p.mul_(g_lp[i:i + chunk, None]))
-                del p
-            else:
-                g.exp_().mul_(-g_lp[i:i + chunk, None])
-            if g_lp is not None:
-                g.scatter_add_(1, targets[i:i + chunk, None], g_lp[i:i + chunk, None])
+            # d logp_target / dz = onehot - p, z = logits / tau
+            g.sub_(lse[i:i + chunk, None]).exp_().mul_(-g_lp[i:i + chunk, None])
+            g.scatter_add_(1, targets[i:i + chunk, None], g_lp[i:i + chunk, None])
             if tau != 1.0:
                 g.div_(tau)
             if grad_h is not None:
@@ -245,7 +232,7 @@ class _FP32HeadLogprobs(torch.autograd.Function):
             if grad_w is not None:
                 grad_w.addmm_(g.T, hc)
         return (None if grad_h is None else grad_h.to(h.dtype), None if grad_w is None else grad_w.to(w.dtype),
-                None, None, None, None)
+                None, None, None)
 
 
 def _chunk_logits(h, wf, i, chunk, tau, buf):
@@ -255,10 +242,9 @@ def _chunk_logits(h, wf, i, chunk, tau, buf):
     return hc, (z.div_(tau) if tau != 1.0 else z)
 
 
-def token_logprobs(hidden, head_weight, targets, chunk=1024, temperature=1.0, return_entropy=False):
+def token_logprobs(hidden, head_weight, targets, chunk=1024, temperature=1.0):
     """(B, T) logprobs of targets under the LM head computed in FP32 (Sec. 3.2), after temperature (the
-    distribution actually sampled); with return_entropy also the (B, T) entropy. hidden (B, T, H) of any
-    dtype, head_weight (V, H). Results are float32 (float64 if an input is float64). Differentiable in
+    distribution actually sampled). hidden (B, T, H) of any dtype, head_weight (V, H). Results are float32 (float64 if an input is float64). Differentiable in
     hidden and head_weight; the full (B*T, V) float32 logits never exist, in forward or backward."""
     if hidden.dim() != 3 or head_weight.dim() != 2 or hidden.shape[-1] != head_weight.shape[1]:
         raise ValueError(f"need hidden (B, T, H) and head_weight (V, H); got {tuple(hidden.shape)}, "
@@ -272,8 +258,22 @@ def token_logprobs(hidden, head_weight, targets, chunk=1024, temperature=1.0, re
     if int(chunk) < 1 or temperature <= 0:
         raise ValueError(f"chunk must be >= 1 and temperature > 0; got chunk={chunk}, temperature={temperature}")
     B, T, H = hidden.shape
-    out = _FP32HeadLogprobs.apply(hidden.reshape(B * T, H), head_weight, targets.reshape(-1).long(),
-                                  int(chunk), float(temperature), bool(return_entropy))
-    if return_entropy:
-        return out[0].view(B, T), out[1].view(B, T)
-    return out.view(B, T)
+    return _FP32HeadLogprobs.apply(hidden.reshape(B * T, H), head_weight, targets.reshape(-1).long(), int(chunk),
+                                   float(temperature)).view(B, T)
+
+
+def head_logits(hidden, weight, head_dtype=torch.float32):
+    """LM-head logits as float32 numbers, for the generator's sampling. head_dtype float32 is the FP32 head (Sec. 3.2,
+    Fig. 5b): hidden states and head weight upcast before the matmul; a lower head_dtype (e.g. bf16) runs the
+    matmul in that precision first."""
+    return torch.nn.functional.linear(hidden.to(head_dtype), weight.to(head_dtype)).float()
+
+
+def head_logprobs(hidden, weight, targets, temperature=1.0, head_dtype=torch.float32):
+    """The trainer's logprobs of `targets` (B, T) from final hidden states (B, T, H), after temperature, with the
+    same head arithmetic as the generator's `head_logits`: the FP32 head chunked over tokens (`token_logprobs`), a
+    lower-precision head as one matmul."""
+    if head_dtype == torch.float32:
+        return token_logprobs(hidden, weight, targets, temperature=temperature)
+    logp = torch.log_softmax(head_logits(hidden, weight, head_dtype) / temperature, -1)  # (B, T, V)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)

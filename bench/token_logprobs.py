@@ -1,6 +1,6 @@
 """Memory and time of losses.token_logprobs (the chunked FP32 LM head) against the naive full-logits path.
 
-One 16,384-token sequence (RECIPE §6's budget), a 151,936-token vocabulary, hidden size 64, on CPU. Each
+One 16,384-token sequence (the paper's generation budget, App. A.10), a 151,936-token vocabulary, hidden size 64, on CPU. Each
 figure comes from a fresh subprocess: after the inputs exist, the process's peak resident memory (Linux
 VmHWM) is reset, the variant runs once, and "peak extra" is the new peak minus the resident memory at the
 reset. That is everything torch allocated on top of the inputs (logits buffers, saved tensors, gradients).
@@ -8,7 +8,6 @@ reset. That is everything torch allocated on top of the inputs (logits buffers, 
 Variants:
   chunked          token_logprobs (custom autograd: forward keeps one log-normaliser per token, backward
                    recomputes each chunk's logits)
-  chunked+entropy  the same with return_entropy=True (the entropy logged, not backpropagated)
   checkpoint       per-chunk torch.utils.checkpoint around plain log_softmax + gather (the alternative)
   naive            float32 logits for all tokens at once, log_softmax, gather
 
@@ -56,9 +55,6 @@ def worker(variant, mode, tokens, vocab, hidden, chunk):
     def run():
         if variant == "chunked":
             return token_logprobs(h, w, y, chunk=chunk)
-        if variant == "chunked+entropy":
-            lp, ent = token_logprobs(h, w, y, chunk=chunk, return_entropy=True)
-            return lp  # the entropy is logged, not differentiated (that would take a second buffer)
         if variant == "checkpoint":
             parts = [torch.utils.checkpoint.checkpoint(naive, h[:, i:i + chunk], w, y[:, i:i + chunk], use_reentrant=False)
                      if mode == "fwd+bwd" else naive(h[:, i:i + chunk], w, y[:, i:i + chunk])
@@ -110,7 +106,7 @@ def main():
           f"one full float32 logits tensor = {full_logits:.2f} GiB, one chunk = "
           f"{args.chunk * args.vocab * 4 / 2 ** 20:.0f} MiB")
     print(f"{'variant':<16} {'mode':<8} {'tokens':>6} {'peak extra MiB':>15} {'seconds':>8}  at {args.tokens} tokens")
-    runs = [(v, args.tokens) for v in ("chunked", "chunked+entropy", "checkpoint")]
+    runs = [(v, args.tokens) for v in ("chunked", "checkpoint")]
     runs += [("naive", args.short)] + ([("naive", args.tokens)] if args.naive else [])
     for variant, tokens in runs:
         for mode in ("fwd", "fwd+bwd"):
