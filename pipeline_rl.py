@@ -521,18 +521,18 @@ def dist_init(gen_ranks=0, timeout=60.0, gen_share=0.5):
     # the default group only serves start-up, where rank 0 may spend minutes on the warm start
     dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
                             timeout=timedelta(seconds=max(timeout, 1800)))
-    d = Dist(dist.get_rank(), world, trainers, generators, timeout)
+    job = Dist(dist.get_rank(), world, trainers, generators, timeout)
     t = timedelta(seconds=timeout)
-    d.groups["trainer"] = dist.new_group(d.trainers, timeout=t)
-    d.groups["weights"] = dist.new_group([0] + d.generators, timeout=t)
-    for g in d.generators:  # pickled rollouts are CPU bytes: gloo even where weights go over NCCL
-        d.groups[g] = dist.new_group([0, g], timeout=t, backend="gloo")
-    d.store = dist.distributed_c10d._get_default_store()
-    return d
+    job.groups["trainer"] = dist.new_group(job.trainers, timeout=t)
+    job.groups["weights"] = dist.new_group([0] + job.generators, timeout=t)
+    for rank in job.generators:  # pickled rollouts are CPU bytes: gloo even where weights go over NCCL
+        job.groups[rank] = dist.new_group([0, rank], timeout=t, backend="gloo")
+    job.store = dist.distributed_c10d._get_default_store()
+    return job
 
 
-def dist_cleanup(d):
-    if d.world > 1:
+def dist_cleanup(job):
+    if job.world > 1:
         dist.destroy_process_group()
 
 
@@ -544,53 +544,53 @@ def die(msg):
 
 
 @contextlib.contextmanager
-def waiting_for(d, what):
+def waiting_for(job, what):
     """A time-out or a lost peer inside the block (torch raises RuntimeError for both) ends the process with a
     message saying what was awaited."""
     try:
         yield
     except RuntimeError as e:
-        die(f"{d.name} gave up waiting for {what}: {first_line(e)}")
+        die(f"{job.name} gave up waiting for {what}: {first_line(e)}")
 
 
-def counter(d, key, add=0):
+def counter(job, key, add=0):
     """A job-wide integer in the TCPStore: add `add` atomically, return the new value (add=0 reads it)."""
-    with waiting_for(d, f"the job's TCPStore (counter {key!r})"):
-        return d.store.add(key, add)
+    with waiting_for(job, f"the job's TCPStore (counter {key!r})"):
+        return job.store.add(key, add)
 
 
-def broadcast_from_rank0(d, module):
+def broadcast_from_rank0(job, module):
     """Start-up: every rank takes rank 0's weights (after its warm start), in place."""
-    with waiting_for(d, "rank 0's initial weights"):
-        for t in module.state_dict().values() if d.world > 1 else []:
+    with waiting_for(job, "rank 0's initial weights"):
+        for t in module.state_dict().values() if job.world > 1 else []:
             dist.broadcast(t, src=0)
 
 
-def share(d, obj, everyone=False):
+def share(job, obj, everyone=False):
     """Trainer rank 0's `obj` (the kept groups) on every trainer rank (everyone: on every rank of the job)."""
     box = [obj]
-    if (d.world if everyone else len(d.trainers)) > 1:
-        with waiting_for(d, "the next batch from trainer rank 0" if not everyone else "rank 0's resume point"):
-            dist.broadcast_object_list(box, src=0, group=None if everyone else d.groups["trainer"])
+    if (job.world if everyone else len(job.trainers)) > 1:
+        with waiting_for(job, "the next batch from trainer rank 0" if not everyone else "rank 0's resume point"):
+            dist.broadcast_object_list(box, src=0, group=None if everyone else job.groups["trainer"])
     return box[0]
 
 
-def send_groups(d, msg):
+def send_groups(job, msg):
     """Generator -> trainer rank 0 on this generator's own group: a length, then the pickled message (plain lists and
     numbers; the ranks of one job trust each other)."""
     payload = torch.frombuffer(bytearray(pickle.dumps(msg)), dtype=torch.uint8)
-    with waiting_for(d, "trainer rank 0 to take rollouts"):
+    with waiting_for(job, "trainer rank 0 to take rollouts"):
         for t in (torch.tensor([payload.numel()]), payload):
-            dist.send(t, dst=0, group=d.groups[d.rank])
+            dist.send(t, dst=0, group=job.groups[job.rank])
 
 
-def recv_groups(d, src):
+def recv_groups(job, src):
     """Trainer rank 0's end. It may wait long (the trainer's inbox time-out watches liveness); a generator that dies
     closes the connection, and this raises at once."""
     n = torch.zeros(1, dtype=torch.long)
-    dist.irecv(n, src=src, group=d.groups[src]).wait(timeout=timedelta(days=1))
+    dist.irecv(n, src=src, group=job.groups[src]).wait(timeout=timedelta(days=1))
     payload = torch.empty(int(n), dtype=torch.uint8)
-    dist.irecv(payload, src=src, group=d.groups[src]).wait(timeout=timedelta(days=1))
+    dist.irecv(payload, src=src, group=job.groups[src]).wait(timeout=timedelta(days=1))
     return pickle.loads(payload.numpy().tobytes())
 
 
@@ -599,19 +599,19 @@ class TrainerLink:
     scored groups on one thread per generator rank, so a generator never waits for a train step; it drops groups
     past the lag bound at consumption, as the Scheduler does, hands the kept groups to the other trainer ranks and
     publishes weights."""
-    def __init__(self, d, *, k, batch_prompts):
-        self.d, self.k, self.B = d, k, batch_prompts
+    def __init__(self, job, *, k, batch_prompts):
+        self.job, self.k, self.B = job, k, batch_prompts
         self.version = self.dropped_stale = 0
         self.kept, self.info = {}, {}  # group id -> kept by the zero-variance filter; generator rank -> its info()
         self.inbox, self.pending = queue.Queue(), None
-        self.threads = [threading.Thread(target=self._receive, args=(g,), daemon=True)
-                        for g in (d.generators if d.rank == 0 else [])]
+        self.threads = [threading.Thread(target=self._receive, args=(rank,), daemon=True)
+                        for rank in (job.generators if job.rank == 0 else [])]
         for t in self.threads:
             t.start()
 
     def _receive(self, src):
         try:
-            while (msg := recv_groups(self.d, src)) is not None:
+            while (msg := recv_groups(self.job, src)) is not None:
                 self.info[src] = msg[1]
                 for kept, g in msg[0]:
                     self.kept[g[0].group] = kept
@@ -621,36 +621,36 @@ class TrainerLink:
 
     def next_batch(self):
         groups = []
-        while self.d.rank == 0 and len(groups) < self.B:
+        while self.job.rank == 0 and len(groups) < self.B:
             try:
-                g = self.inbox.get(timeout=self.d.timeout)
+                g = self.inbox.get(timeout=self.job.timeout)
             except queue.Empty:
-                die(f"{self.d.name} gave up waiting for rollouts from generator ranks {self.d.generators} after "
-                    f"{self.d.timeout:.0f} s")
+                die(f"{self.job.name} gave up waiting for rollouts from generator ranks {self.job.generators} after "
+                    f"{self.job.timeout:.0f} s")
             if isinstance(g, str):
-                die(f"{self.d.name} lost {g}")
+                die(f"{self.job.name} lost {g}")
             if stale(g, self.version, self.k):
                 self.dropped_stale += 1
-                counter(self.d, "dropped", 1)  # its place under the lag bound goes back to the generators
+                counter(self.job, "dropped", 1)  # its place under the lag bound goes back to the generators
                 continue
             groups.append(g)
         groups.sort(key=lambda g: g[0].group)  # admission order, as in one process
-        kept = share(self.d, [g for g in groups if self.kept.pop(g[0].group)])  # every trainer rank trains on them
+        kept = share(self.job, [g for g in groups if self.kept.pop(g[0].group)])  # every trainer rank trains on them
         return with_lag(groups, kept, self.version)
 
     def push_weights(self, weights):
         """After an optimizer step: trainer rank 0 starts broadcasting the full weights to the generators (once the
         previous broadcast has landed) and publishes the new version; it does not wait for this one."""
         self.version += 1
-        if self.d.rank == 0:
+        if self.job.rank == 0:
             self._land()
             self.flat = torch.cat([weights[n].detach().reshape(-1).float() for n in sorted(weights)])
-            self.pending = dist.broadcast(self.flat, src=0, group=self.d.groups["weights"], async_op=True)
-            counter(self.d, "version", 1)
+            self.pending = dist.broadcast(self.flat, src=0, group=self.job.groups["weights"], async_op=True)
+            counter(self.job, "version", 1)
 
     def _land(self):
         if self.pending is not None:
-            with waiting_for(self.d, f"generator ranks {self.d.generators} to take the last weight broadcast"):
+            with waiting_for(self.job, f"generator ranks {self.job.generators} to take the last weight broadcast"):
                 self.pending.wait()
             self.pending = None
 
@@ -658,23 +658,23 @@ class TrainerLink:
         """Generation so far over all generator ranks: tokens, decode seconds, NPR removals, furthest epoch, failed
         rewards, skipped prompts."""
         infos = list(self.info.values())  # a copy: the receiver threads add to it
-        return dict(tokens=counter(self.d, "gen_tokens"), gen_s=counter(self.d, "gen_us") / 1e6,
+        return dict(tokens=counter(self.job, "gen_tokens"), gen_s=counter(self.job, "gen_us") / 1e6,
                     npr_removed=sum(x["npr_removed"] for x in infos), epoch=max((x["epoch"] for x in infos), default=0),
                     reward_errors=sum(x["reward_errors"] for x in infos),
                     bad_prompts=sum(x["bad_prompts"] for x in infos))
 
     def close(self):
         """The end of the run: generators stop after the last broadcast; their receivers end with them."""
-        if self.d.rank == 0:
-            counter(self.d, "stop", 1)
+        if self.job.rank == 0:
+            counter(self.job, "stop", 1)
             self._land()
-            for g, t in zip(self.d.generators, self.threads):
-                t.join(self.d.timeout)
-                if t.is_alive():
-                    die(f"{self.d.name} gave up waiting for generator rank {g} to stop after {self.d.timeout:.0f} s")
+            for rank, thread in zip(self.job.generators, self.threads):
+                thread.join(self.job.timeout)
+                if thread.is_alive():
+                    die(f"{self.job.name} gave up waiting for generator rank {rank} to stop after {self.job.timeout:.0f} s")
 
 
-def run_generator(d, rollouts, *, mode, k, batch_prompts, group_size, state_path, save_every):
+def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_path, save_every):
     """A generator rank's whole job, until trainer rank 0 says stop. Each turn of the loop: receive every weight
     version published since the last turn (loaded in flight, Sec. 3.1; PPO-off-policy loads only every k-th), send
     the groups scored so far, admit groups while the engine has room and the job-wide lag bound allows (ids from one
@@ -690,10 +690,10 @@ def run_generator(d, rollouts, *, mode, k, batch_prompts, group_size, state_path
     next_group, idle_since = None, None     # the group id taken from the counter but not started yet
     scorer, scoring = ThreadPoolExecutor(1, thread_name_prefix="score"), []  # [(future, groups)] in finishing order
     while True:
-        stop = counter(d, "stop")  # read before the version: every broadcast published before the stop is received
-        for v in range(received + 1, counter(d, "version") + 1):
-            with waiting_for(d, f"policy version {v} from trainer rank 0"):
-                dist.broadcast(flat, src=0, group=d.groups["weights"])
+        stop = counter(job, "stop")  # read before the version: every broadcast published before the stop is received
+        for v in range(received + 1, counter(job, "version") + 1):
+            with waiting_for(job, f"policy version {v} from trainer rank 0"):
+                dist.broadcast(flat, src=0, group=job.groups["weights"])
             received = v
         if engine.version < received and (mode == "pipeline" or received % k == 0):
             parts = flat.split([shapes[n].numel() for n in names])
@@ -709,31 +709,31 @@ def run_generator(d, rollouts, *, mode, k, batch_prompts, group_size, state_path
             items = [(rollouts.keep(g), g) for g in groups]
             for s in (s for g in groups for s in g):
                 s.meta = None  # the trainer needs tokens, logprobs, versions and rewards, not the problem
-            send_groups(d, (items, rollouts.info()))
+            send_groups(job, (items, rollouts.info()))
         if stop:
             break
-        dropped = counter(d, "dropped")
+        dropped = counter(job, "dropped")
         while engine.room > 0:
             if next_group is None:
-                next_group = counter(d, "admitted", 1) - 1  # the next group id, job-wide
+                next_group = counter(job, "admitted", 1) - 1  # the next group id, job-wide
             if next_group >= admission_limit(mode, engine.version, k, batch_prompts, dropped):
                 break  # past the lag bound: it starts once newer weights arrive
             engine.add(rollouts.next_template(next_group), group_size)
             next_group = None
         if not engine.busy:
             idle_since = idle_since or time.time()
-            if time.time() - idle_since > d.timeout:
-                die(f"{d.name} gave up waiting for policy version {received + 1} from trainer rank 0 after "
-                    f"{d.timeout:.0f} s (the lag bound admits no new group before it)")
+            if time.time() - idle_since > job.timeout:
+                die(f"{job.name} gave up waiting for policy version {received + 1} from trainer rank 0 after "
+                    f"{job.timeout:.0f} s (the lag bound admits no new group before it)")
             time.sleep(0.002)
             continue
         t, n, idle_since = time.time(), engine.stats["tokens"], None
         done = engine.step()
-        counter(d, "gen_us", int((time.time() - t) * 1e6)), counter(d, "gen_tokens", engine.stats["tokens"] - n)
+        counter(job, "gen_us", int((time.time() - t) * 1e6)), counter(job, "gen_tokens", engine.stats["tokens"] - n)
         if done:
             scoring.append((scorer.submit(rollouts.score, done), done))
     scorer.shutdown()
-    send_groups(d, None)  # trainer rank 0's receiver for this rank stops
+    send_groups(job, None)  # trainer rank 0's receiver for this rank stops
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The vLLM engine. Every vLLM call of the project is below; vllm is imported only when a VLLMEngine is built.

@@ -239,58 +239,59 @@ def main(cfg):
     t_start = time.time()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    d, ck, at = start(cfg)  # roles under torchrun, the checkpoint (rank 0) and where the run resumes (every rank)
+    job, ckpt, resume_point = start(cfg)  # roles, the checkpoint (rank 0), where the run resumes (every rank)
     random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
     train, val, tasks = load_data(cfg)
     model, tok = load_model(cfg, tasks)
-    if d.rank == 0 and not at and cfg.model == "tiny":
+    if job.rank == 0 and not resume_point and cfg.model == "tiny":
         trainer.warm_start(cfg, model, tok, os.path.dirname(os.path.normpath(cfg.out_dir)) or ".")
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
-    if ck:  # resuming: the checkpoint's weights replace the warm start (or the hub's weights)
+    if ckpt:  # resuming: the checkpoint's weights replace the warm start (or the hub's weights)
         with fits(ckpt_path):
-            model.load_state_dict(ck["model"])
-    if at or cfg.model == "tiny":
-        pipeline_rl.broadcast_from_rank0(d, model)  # every rank starts from rank 0's weights
+            model.load_state_dict(ckpt["model"])
+    if resume_point or cfg.model == "tiny":
+        pipeline_rl.broadcast_from_rank0(job, model)  # every rank starts from rank 0's weights
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else \
         torch.device("cpu")  # one GPU per rank under torchrun
     model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     rollouts = None  # the generating side: in one process, and on generator ranks
-    if d.world == 1 or d.rank in d.generators:  # each generator rank draws from its own share of the prompts
-        share = train if d.world == 1 else train[d.generators.index(d.rank)::len(d.generators)]
-        rollouts = pipeline_rl.Rollouts(make_engine(cfg, model, tok, cfg.seed + d.rank), make_pool(cfg, share, tasks),
+    if job.world == 1 or job.rank in job.generators:  # each generator rank draws from its own share of the prompts
+        share = train if job.world == 1 else train[job.generators.index(job.rank)::len(job.generators)]
+        rollouts = pipeline_rl.Rollouts(make_engine(cfg, model, tok, cfg.seed + job.rank), make_pool(cfg, share, tasks),
                                         tok, cfg.max_prompt)
-    if d.rank in d.generators:  # a generator rank's whole job
-        if at:
-            rollouts.engine.version = at["version"]
-            restore_generator(rollouts, os.path.join(cfg.out_dir, f"generator{d.rank}.pt"), d.rank)
-        pipeline_rl.run_generator(d, rollouts, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
+    if job.rank in job.generators:  # a generator rank's whole job
+        if resume_point:
+            rollouts.engine.version = resume_point["version"]
+            restore_generator(rollouts, os.path.join(cfg.out_dir, f"generator{job.rank}.pt"), job.rank)
+        pipeline_rl.run_generator(job, rollouts, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
                                   group_size=cfg.group_size, save_every=cfg.ckpt_every,
-                                  state_path=os.path.join(cfg.out_dir, f"generator{d.rank}.pt"))
-        return pipeline_rl.dist_cleanup(d)
+                                  state_path=os.path.join(cfg.out_dir, f"generator{job.rank}.pt"))
+        return pipeline_rl.dist_cleanup(job)
 
     # -- the trainer: policy (FSDP2 over several trainer ranks), optimizer, batch source, held-out evaluation ---------
-    body_dtype = getattr(torch, cfg.dtype)  # fp32 master weights; the body autocasts when dtype is lower
-    head_dtype = torch.float32 if cfg.fp32_head else body_dtype  # the FP32 head (Sec. 3.2)
-    policy = trainer.Policy(model, cfg.temperature, body_dtype, head_dtype, tok.pad_token_id)
-    if len(d.trainers) > 1:
-        trainer.shard(policy, model.model.layers, d)
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
-                            weight_decay=cfg.weight_decay)
-    source = pipeline_rl.Scheduler(rollouts, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
-                                   group_size=cfg.group_size, decode_per_step=cfg.decode_per_step) if d.world == 1 \
-        else pipeline_rl.TrainerLink(d, k=cfg.max_lag, batch_prompts=cfg.batch_prompts)
-    if d.rank == 0:  # held-out prompts, built once through the same guard as training prompts
+    if job.rank == 0:  # held-out prompts, built once through the same guard as training prompts; the eval engine
+        # copies the model before FSDP2 shards it
         eval_engine = make_engine(cfg, model, tok, cfg.seed + 1)
-        scorer = rollouts if d.world == 1 else pipeline_rl.Rollouts(eval_engine, None, tok, cfg.max_prompt)
+        scorer = rollouts if job.world == 1 else pipeline_rl.Rollouts(eval_engine, None, tok, cfg.max_prompt)
         held_out = [t for i, p in enumerate(val) if (t := scorer.template(p, -1 - i))]
         if not held_out:
             fail(f"none of the {len(val)} held-out prompts could be built (see the warnings); check --task and "
                  "--max_prompt")
-    step, clock = restore_trainer(cfg, ck, at, d, policy, opt, source, rollouts)
-    if d.rank == 0:
-        log = open_log(cfg, d, step, n_params)
-        describe(cfg, d, n_params, len(train), len(val))
+    body_dtype = getattr(torch, cfg.dtype)  # fp32 master weights; the body autocasts when dtype is lower
+    head_dtype = torch.float32 if cfg.fp32_head else body_dtype  # the FP32 head (Sec. 3.2)
+    policy = trainer.Policy(model, cfg.temperature, body_dtype, head_dtype, tok.pad_token_id)
+    if len(job.trainers) > 1:
+        trainer.shard(policy, model.model.layers, job)
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
+                            weight_decay=cfg.weight_decay)
+    source = pipeline_rl.Scheduler(rollouts, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
+                                   group_size=cfg.group_size, decode_per_step=cfg.decode_per_step) if job.world == 1 \
+        else pipeline_rl.TrainerLink(job, k=cfg.max_lag, batch_prompts=cfg.batch_prompts)
+    step, clock = restore_trainer(cfg, ckpt, resume_point, job, policy, opt, source, rollouts)
+    if job.rank == 0:
+        log = open_log(cfg, job, step, n_params)
+        describe(cfg, job, n_params, len(train), len(val))
     task_of = {p.id: p.task for p in train} if len(tasks) > 1 else {}
 
     def evaluate_now(weights):  # held-out pass rate, logged (rank 0), not on the compute axis
@@ -302,29 +303,29 @@ def main(cfg):
     # -- the loop: the same for one process and for every trainer rank under torchrun ----------------------------
     weights = trainer.full_state_dict(model)  # full weights (FSDP2: gathered on every trainer rank)
     if step == 0 and not cfg.resume:  # a resume at step 0 already logged this eval
-        opt_state = trainer.optimizer_state(d, policy, opt)  # every trainer rank (FSDP2 gathers)
-        if d.rank == 0:
+        opt_state = trainer.optimizer_state(job, policy, opt)  # every trainer rank (FSDP2 gathers)
+        if job.rank == 0:
             print(f"step    0 | {evaluate_now(weights)} (before RL: R0)")
-            save_checkpoint(ckpt_path, weights, opt_state, step, clock, source, d, rollouts)
+            save_checkpoint(ckpt_path, weights, opt_state, step, clock, source, job, rollouts)
     t_loop, first, eval_s, bad_run = time.time(), step, 0.0, 0  # bad_run: non-finite steps in a row
     while step < cfg.max_steps:
         t0, c0, gen0 = time.time(), time.process_time(), source.totals()
         batch = source.next_batch()  # B groups, scored, zero-variance filtered (Sec. 3.2)
         t1 = time.time()
-        stats = trainer.train_step(policy, opt, batch.kept, cfg, step, d)
+        stats = trainer.train_step(policy, opt, batch.kept, cfg, step, job)
         t_train = time.time() - t1
         weights = trainer.full_state_dict(model)
         source.push_weights(weights)  # in flight to the generators (PipelineRL) or after k steps (PPO-off-policy)
         step += 1
         dt = time.time() - t0
-        clock["device_hours"] += dt * d.world / 3600  # the compute axis counts every device
+        clock["device_hours"] += dt * job.world / 3600  # the compute axis counts every device
         clock["cpu_hours"] += (time.process_time() - c0) / 3600  # this process's CPU time: immune to a busy machine
         bad_run = 0 if stats["finite"] else bad_run + 1
         save = step % cfg.ckpt_every == 0 or step == cfg.max_steps or bad_run >= cfg.max_nonfinite
-        opt_state = trainer.optimizer_state(d, policy, opt) if save else None  # every trainer rank (FSDP2 gathers)
-        if d.rank == 0:
+        opt_state = trainer.optimizer_state(job, policy, opt) if save else None  # every trainer rank (FSDP2 gathers)
+        if job.rank == 0:
             row = metrics_row(step, clock, batch, stats, source.totals(), gen0, dt, t_train,
-                              max(len(d.generators), 1), source, task_of)
+                              max(len(job.generators), 1), source, task_of)
             log(row)
             eta = (time.time() - t_loop - eval_s) / (step - first) * (cfg.max_steps - step)
             line = progress_line(row, cfg.max_steps, eta, tasks)
@@ -336,12 +337,12 @@ def main(cfg):
                 eval_s += time.time() - te
             print(line, flush=True)
             if save:  # after skipped steps the weights are still the last good ones
-                save_checkpoint(ckpt_path, weights, opt_state, step, clock, source, d, rollouts)
+                save_checkpoint(ckpt_path, weights, opt_state, step, clock, source, job, rollouts)
         if bad_run >= cfg.max_nonfinite:
             break
     source.close()
-    pipeline_rl.dist_cleanup(d)
-    if d.rank == 0:
+    pipeline_rl.dist_cleanup(job)
+    if job.rank == 0:
         finish(cfg, step, bad_run, tasks, t_start)
 
 
@@ -459,14 +460,14 @@ def atomic_save(obj, path):
 def load_checkpoint(path, want=("model", "opt", "step", "device_hours", "version", "stale", "torch_rng")):
     """A checkpoint's contents (plain tensors and containers only); a one-line exit if it is unreadable or foreign."""
     try:
-        ck = torch.load(path, weights_only=True)
+        ckpt = torch.load(path, weights_only=True)
     except Exception as e:  # noqa: BLE001 -- truncated, garbage or unsafe pickles all mean: not usable
         fail(f"checkpoint {path} is unreadable ({type(e).__name__}); restore a good copy or start a fresh --out_dir")
     want = set(want)
-    if not isinstance(ck, dict) or not want <= set(ck):
+    if not isinstance(ckpt, dict) or not want <= set(ckpt):
         fail(f"{path} is not a scalerl checkpoint (missing "
-             f"{sorted(want - set(ck)) if isinstance(ck, dict) else 'everything'}); start a fresh --out_dir")
-    return ck
+             f"{sorted(want - set(ckpt)) if isinstance(ckpt, dict) else 'everything'}); start a fresh --out_dir")
+    return ckpt
 
 
 @contextlib.contextmanager
@@ -479,14 +480,14 @@ def fits(path):
              "it was written with (config.json) or start a fresh --out_dir")
 
 
-def save_checkpoint(path, weights, opt_state, step, clock, source, d, rollouts=None):
+def save_checkpoint(path, weights, opt_state, step, clock, source, job, rollouts=None):
     """Everything --resume needs from the trainer; in one process also the generating side's state (under torchrun
     each generator rank keeps its own, generator<rank>.pt)."""
-    ck = dict(model=weights, opt=opt_state, step=step, version=source.version, stale=source.dropped_stale,
-              torch_rng=torch.get_rng_state(), world=d.world, generators=d.generators, **clock)
-    if d.world == 1:
-        ck["generating"] = rollouts.state_dict()
-    atomic_save(ck, path)
+    ckpt = dict(model=weights, opt=opt_state, step=step, version=source.version, stale=source.dropped_stale,
+              torch_rng=torch.get_rng_state(), world=job.world, generators=job.generators, **clock)
+    if job.world == 1:
+        ckpt["generating"] = rollouts.state_dict()
+    atomic_save(ckpt, path)
 
 
 def read_metrics(path, upto_step):
@@ -503,7 +504,7 @@ def read_metrics(path, upto_step):
     return rows
 
 
-def open_log(cfg, d, step, n_params):
+def open_log(cfg, job, step, n_params):
     """The run's record: config.json (config, versions, git hash, ranks) and metrics.jsonl, cut back to `step` (rows
     logged after the checkpoint are dropped, so a resumed log continues seamlessly); returns a row writer."""
     os.makedirs(cfg.out_dir, exist_ok=True)
@@ -521,7 +522,7 @@ def open_log(cfg, d, step, n_params):
         git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
     meta = dict(config=asdict(cfg), versions=versions, git=git, n_params=n_params,
-                ranks=dict(trainers=d.trainers, generators=d.generators))
+                ranks=dict(trainers=job.trainers, generators=job.generators))
     with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
         json.dump(meta, f, indent=1)
     log = open(path, "a", buffering=1)
@@ -571,7 +572,7 @@ def progress_line(row, max_steps, eta, tasks):
             f"{eta / 60:.1f}m")
 
 
-def describe(cfg, d, n_params, n_train, n_val):
+def describe(cfg, job, n_params, n_train, n_val):
     """The numbers that matter, printed at start-up."""
     B, G, k = cfg.batch_prompts, cfg.group_size, cfg.max_lag
     print(f"scalerl | {cfg.model} {n_params / 1e6:.2f}M params, body {cfg.dtype}, head "
@@ -581,9 +582,10 @@ def describe(cfg, d, n_params, n_train, n_val):
           f"  {cfg.loss} loss, {cfg.agg} aggregation, {cfg.adv_norm} adv norm, zero-var filter {cfg.zero_var_filter}, "
           f"NPR {cfg.npr} | {'PipelineRL' if cfg.off_policy == 'pipeline' else 'PPO-off-policy'}-{k}, "
           f"{cfg.decode_per_step} decode steps per train step | engine {cfg.engine}, {cfg.slots} slots")
-    if d.world > 1:
-        print(f"  torchrun: {d.world} ranks | trainer ranks {d.trainers}{' (FSDP2)' if len(d.trainers) > 1 else ''} | "
-              f"generator ranks {d.generators} | device-hours = wall time x {d.world}")
+    if job.world > 1:
+        fsdp = " (FSDP2)" if len(job.trainers) > 1 else ""
+        print(f"  torchrun: {job.world} ranks | trainer ranks {job.trainers}{fsdp} | "
+              f"generator ranks {job.generators} | device-hours = wall time x {job.world}")
 
 
 def start(cfg):
@@ -596,21 +598,22 @@ def start(cfg):
         fail(f"run directory {cfg.out_dir} already holds a run; pass --resume to continue it or pick another --out_dir")
     if rank0 and cfg.resume and not os.path.exists(ckpt_path):
         fail(f"--resume: no checkpoint at {ckpt_path}; start a fresh run without --resume")
-    ck = load_checkpoint(ckpt_path) if cfg.resume and rank0 else None
+    ckpt = load_checkpoint(ckpt_path) if cfg.resume and rank0 else None
     try:
-        d = pipeline_rl.dist_init(cfg.gen_ranks, cfg.dist_timeout, cfg.gen_share)  # world 1: one process does all
+        job = pipeline_rl.dist_init(cfg.gen_ranks, cfg.dist_timeout, cfg.gen_share)  # world 1: one process does all
     except ValueError as e:
         fail(str(e))
-    if ck and (ck.get("world", 1), ck.get("generators", [])) != (d.world, d.generators):
-        fail(f"checkpoint {ckpt_path} was written by {ck.get('world', 1)} process(es) with generator ranks "
-             f"{ck.get('generators', [])}, this run has {d.world} with {d.generators}; resume with the same torchrun "
-             "--nproc_per_node/--nnodes and --gen_ranks")
-    if ck and d.world > 1:  # the job's counters continue from the checkpoint; in-flight groups are regenerated
-        admitted = ck["version"] * cfg.batch_prompts + ck["stale"]
-        for key, n in (("version", ck["version"]), ("admitted", admitted), ("dropped", ck["stale"])):
-            pipeline_rl.counter(d, key, n)
-    at = pipeline_rl.share(d, {k: ck[k] for k in ("step", "version", "stale")} if ck else None, everyone=True)
-    return d, ck, at
+    if ckpt and (ckpt.get("world", 1), ckpt.get("generators", [])) != (job.world, job.generators):
+        fail(f"checkpoint {ckpt_path} was written by {ckpt.get('world', 1)} process(es) with generator ranks "
+             f"{ckpt.get('generators', [])}, this run has {job.world} with {job.generators}; resume with the same "
+             "torchrun --nproc_per_node/--nnodes and --gen_ranks")
+    if ckpt and job.world > 1:  # the job's counters continue from the checkpoint; in-flight groups are regenerated
+        admitted = ckpt["version"] * cfg.batch_prompts + ckpt["stale"]
+        for key, n in (("version", ckpt["version"]), ("admitted", admitted), ("dropped", ckpt["stale"])):
+            pipeline_rl.counter(job, key, n)
+    resume_point = {k: ckpt[k] for k in ("step", "version", "stale")} if ckpt else None
+    resume_point = pipeline_rl.share(job, resume_point, everyone=True)
+    return job, ckpt, resume_point
 
 
 def restore_generator(rollouts, path, rank):
@@ -623,25 +626,26 @@ def restore_generator(rollouts, path, rank):
         rollouts.load_state_dict(state)
 
 
-def restore_trainer(cfg, ck, at, d, policy, opt, source, rollouts):
+def restore_trainer(cfg, ckpt, resume_point, job, policy, opt, source, rollouts):
     """--resume on a trainer rank: the optimizer state (FSDP2: this rank's shard), the batch source's counters, and in
     one process the generating side. Returns (step, clock); a fresh run starts at step 0 with a zero clock."""
-    if not at:
+    if not resume_point:
         return 0, dict(device_hours=0.0, cpu_hours=0.0)
     with fits(os.path.join(cfg.out_dir, "ckpt.pt")):
-        trainer.load_optimizer_state(d, policy, opt, ck["opt"] if ck else None)
-        if d.world == 1:
-            rollouts.load_state_dict(ck["generating"])
-    source.version, source.dropped_stale = at["version"], at["stale"]
-    if d.world == 1:
-        source.admitted = at["version"] * cfg.batch_prompts + at["stale"]  # in-flight groups are regenerated
-        rollouts.engine.version = at["version"]  # it was built from the checkpoint's weights
+        trainer.load_optimizer_state(job, policy, opt, ckpt["opt"] if ckpt else None)
+        if job.world == 1:
+            rollouts.load_state_dict(ckpt["generating"])
+    source.version, source.dropped_stale = resume_point["version"], resume_point["stale"]
+    if job.world == 1:
+        # the groups in flight at the checkpoint are regenerated
+        source.admitted = resume_point["version"] * cfg.batch_prompts + resume_point["stale"]
+        rollouts.engine.version = resume_point["version"]  # it was built from the checkpoint's weights
     clock = dict(device_hours=0.0, cpu_hours=0.0)  # only rank 0 logs the clock
-    if ck:
-        clock = dict(device_hours=ck["device_hours"], cpu_hours=ck.get("cpu_hours", 0.0))
-        torch.set_rng_state(ck["torch_rng"])
-    print0(f"resumed {cfg.out_dir} at step {at['step']} (in-flight completions are regenerated)")
-    return at["step"], clock
+    if ckpt:
+        clock = dict(device_hours=ckpt["device_hours"], cpu_hours=ckpt.get("cpu_hours", 0.0))
+        torch.set_rng_state(ckpt["torch_rng"])
+    print0(f"resumed {cfg.out_dir} at step {resume_point['step']} (in-flight completions are regenerated)")
+    return resume_point["step"], clock
 
 
 def finish(cfg, step, bad_run, tasks, t_start):

@@ -126,24 +126,24 @@ def policy_gradient(policy, groups, cfg, pad_id, rank=0, world=1):
     return total, sums, ratio_max
 
 
-def train_step(policy, opt, groups, cfg, step, d=pipeline_rl.Dist()):
+def train_step(policy, opt, groups, cfg, step, job=pipeline_rl.Dist()):
     """One optimizer step on the kept groups: AdamW with linear warm-up, gradient clipping, no KL (App. A.3). Under
     FSDP2 each trainer rank takes its share of the completions and the gradients are summed. A non-finite loss or
     gradient skips the update (one bad batch must not poison the weights and Adam's moments); a batch with no kept
     group makes none. Returns the step's loss and token-averaged diagnostics, the same on every trainer rank."""
     lr = cfg.lr * min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
-    for g in opt.param_groups:
-        g["lr"] = lr
+    for group in opt.param_groups:
+        group["lr"] = lr
     if not groups:  # every group was zero-variance: no signal, no update
         return dict(loss=0.0, clip_frac=0.0, ratio_mean=1.0, ratio_max=1.0, mismatch_kl=0.0, n_tokens=0, finite=True,
                     lr=lr)
-    rank, n_trainers = d.trainers.index(d.rank), len(d.trainers)
-    with pipeline_rl.waiting_for(d, f"gradients of trainer ranks {d.trainers}") if n_trainers > 1 else \
+    rank, n_trainers = job.trainers.index(job.rank), len(job.trainers)
+    with pipeline_rl.waiting_for(job, f"gradients of trainer ranks {job.trainers}") if n_trainers > 1 else \
             contextlib.nullcontext():
         loss, sums, ratio_max = policy_gradient(policy, groups, cfg, policy.pad_id, rank, n_trainers)
         gnorm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
         gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm  # FSDP2: a DTensor
-    sums, maxes = reduce_metrics(d, dict(sums, loss=loss), dict(ratio_max=ratio_max))
+    sums, maxes = reduce_metrics(job, dict(sums, loss=loss), dict(ratio_max=ratio_max))
     finite = math.isfinite(gnorm) and math.isfinite(sums["loss"])  # the same on every trainer rank
     if finite:
         opt.step()
@@ -179,8 +179,8 @@ def warm_start(cfg, model, tok, out_root):
     model.train()
     for it in range(cfg.sft_steps):
         lr = cfg.sft_lr * min(1.0, (it + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * it / cfg.sft_steps)))
-        for g in opt.param_groups:
-            g["lr"] = lr
+        for group in opt.param_groups:
+            group["lr"] = lr
         ps = rng.sample(traces, cfg.sft_batch)
         prompts = [data.encode(tok, data.format_prompt(p.question, tok)) for p in ps]
         seqs = [pr + data.encode(tok, data.format_target(p)) + [tok.eos_token_id] for pr, p in zip(prompts, ps)]
@@ -202,12 +202,12 @@ def warm_start(cfg, model, tok, out_root):
 # Under torchrun: FSDP2 over the trainer ranks
 
 
-def shard(module, layers, d):
+def shard(module, layers, job):
     """FSDP2 over the trainer ranks: each of `layers` one unit, the rest (embeddings, final norm, head) the root.
     Gradients are summed, not averaged: each rank's loss is its part of the whole batch's loss."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
-    mesh = DeviceMesh.from_group(d.groups["trainer"], next(module.parameters()).device.type)
+    mesh = DeviceMesh.from_group(job.groups["trainer"], next(module.parameters()).device.type)
     for m in [*layers, module]:
         fully_shard(m, mesh=mesh)
     for m in module.modules():
@@ -223,32 +223,32 @@ def full_state_dict(module):
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
 
 
-def optimizer_state(d, module, opt):
+def optimizer_state(job, module, opt):
     """The optimizer state for a checkpoint. Under FSDP2 every trainer rank must call it: the shards are gathered in
     full on trainer rank 0 (the others get {}); simple, but at 8B scale that is the whole AdamW state in one CPU."""
-    if len(d.trainers) == 1:
+    if len(job.trainers) == 1:
         return opt.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-    with pipeline_rl.waiting_for(d, f"optimizer shards of trainer ranks {d.trainers}"):
+    with pipeline_rl.waiting_for(job, f"optimizer shards of trainer ranks {job.trainers}"):
         return get_optimizer_state_dict(module, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def load_optimizer_state(d, module, opt, state):
+def load_optimizer_state(job, module, opt, state):
     """The inverse, on every trainer rank: `state` is trainer rank 0's (None elsewhere); FSDP2 ranks keep their
     shard."""
-    if len(d.trainers) == 1:
+    if len(job.trainers) == 1:
         return opt.load_state_dict(state)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-    set_optimizer_state_dict(module, opt, pipeline_rl.share(d, state), options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(module, opt, pipeline_rl.share(job, state), options=StateDictOptions(full_state_dict=True))
 
 
-def reduce_metrics(d, sums, maxes):
+def reduce_metrics(job, sums, maxes):
     """Sums and maxima (dicts of numbers) over the trainer ranks, before logging."""
-    if len(d.trainers) == 1:
+    if len(job.trainers) == 1:
         return sums, maxes
     import torch.distributed as dist
     s, m = (torch.tensor(list(x.values()), dtype=torch.float64) for x in (sums, maxes))
-    with pipeline_rl.waiting_for(d, f"metrics from trainer ranks {d.trainers}"):
-        dist.all_reduce(s, group=d.groups["trainer"])
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=d.groups["trainer"])
+    with pipeline_rl.waiting_for(job, f"metrics from trainer ranks {job.trainers}"):
+        dist.all_reduce(s, group=job.groups["trainer"])
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=job.groups["trainer"])
     return dict(zip(sums, s.tolist())), dict(zip(maxes, m.tolist()))
