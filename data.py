@@ -10,7 +10,7 @@ Its sections, in order:
 5. Sources: `load_problems(source, ...) -> (train, val)` for "arith", "code", "rg:<name>" (reasoning-gym), the
    presets "polaris", "gsm8k", "math", "deepcoder", a hub dataset or a .json/.jsonl/.parquet file; `combine` joins them.
 6. The curriculum: `PromptPool` (seeded epochs, zero-variance filtering, No-Positive-Resampling); `MixedPool`:
-   one per task, drawn from in fixed shares (math + code).
+   one per task, drawn from in fixed shares (math + code); `make_pool` picks one.
 7. The code sandbox: `check_program` runs a program against its tests; `sandbox_mode` says how it is confined.
 
 The paper's choices made here:
@@ -637,6 +637,16 @@ class MixedPool:
         self.drawn = dict(state["drawn"])
         for task, pool in self.pools.items():
             pool.load_state_dict(state["pools"][task])
+
+
+def make_pool(problems, tasks, code_frac=0.5, **pool_kw):
+    """The curriculum for `tasks`: one PromptPool, or for a mixture a MixedPool in which code takes `code_frac` of
+    the prompts and the other tasks share the rest equally."""
+    if len(tasks) == 1:
+        return PromptPool(problems, **pool_kw)
+    others = [t for t in tasks if t != "code"]
+    rest = (1 - code_frac if "code" in tasks else 1) / max(len(others), 1)
+    return MixedPool(problems, {t: code_frac if t == "code" else rest for t in tasks}, **pool_kw)
 
 
 # ---------------------------------------------------------------------------------------------------

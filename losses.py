@@ -244,8 +244,9 @@ def _chunk_logits(h, wf, i, chunk, tau, buf):
 
 def token_logprobs(hidden, head_weight, targets, chunk=1024, temperature=1.0):
     """(B, T) logprobs of targets under the LM head computed in FP32 (Sec. 3.2), after temperature (the
-    distribution actually sampled). hidden (B, T, H) of any dtype, head_weight (V, H). Results are float32 (float64 if an input is float64). Differentiable in
-    hidden and head_weight; the full (B*T, V) float32 logits never exist, in forward or backward."""
+    distribution actually sampled). hidden (B, T, H) of any dtype, head_weight (V, H). Results are float32
+    (float64 if an input is float64). Differentiable in hidden and head_weight; the full (B*T, V) float32 logits
+    never exist, in forward or backward."""
     if hidden.dim() != 3 or head_weight.dim() != 2 or hidden.shape[-1] != head_weight.shape[1]:
         raise ValueError(f"need hidden (B, T, H) and head_weight (V, H); got {tuple(hidden.shape)}, "
                          f"{tuple(head_weight.shape)}")

@@ -671,7 +671,8 @@ class TrainerLink:
             for rank, thread in zip(self.job.generators, self.threads):
                 thread.join(self.job.timeout)
                 if thread.is_alive():
-                    die(f"{self.job.name} gave up waiting for generator rank {rank} to stop after {self.job.timeout:.0f} s")
+                    die(f"{self.job.name} gave up waiting for generator rank {rank} to stop after "
+                        f"{self.job.timeout:.0f} s")
 
 
 def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_path, save_every):

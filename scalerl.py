@@ -64,7 +64,7 @@ class Config:
     resume: bool = False               # continue the run in out_dir from its checkpoint
     threads: int = 1                   # torch CPU threads: tiny ops run fastest on one (0: torch default)
     # model
-    model: str = "tiny"                # "tiny": a small Llama built from a config, character tokenizer; else a hub name/path
+    model: str = "tiny"                # "tiny" (a small Llama built in code, character tokenizer), or a hub name/path
     n_layer: int = 4                   # tiny model depth
     n_embd: int = 128                  # tiny model width
     n_head: int = 4                    # tiny model heads (head size n_embd/n_head = 32: vLLM CPU supports it)
@@ -126,9 +126,9 @@ class Config:
 
 # The paper's 8B run (App. A.3, A.10, A.16). The paper's model is unnamed: Qwen3-8B is a public 8B reasoning
 # model with a <think> section (choice). The step count is ours too: the paper reports GPU-hours, not steps.
-PAPER_8B = dict(model="Qwen/Qwen3-8B", task="polaris", n_train=60000, eval_prompts=1000, eval_samples=16, eval_every=100,
-                max_steps=8000, ckpt_every=100, sft_steps=0, dtype="bfloat16", fp32_head=True, engine="vllm",
-                batch_prompts=48, group_size=16, max_prompt=2048, think_min=10240, think_max=12288,
+PAPER_8B = dict(model="Qwen/Qwen3-8B", task="polaris", n_train=60000, eval_prompts=1000, eval_samples=16,
+                eval_every=100, max_steps=8000, ckpt_every=100, sft_steps=0, dtype="bfloat16", fp32_head=True,
+                engine="vllm", batch_prompts=48, group_size=16, max_prompt=2048, think_min=10240, think_max=12288,
                 answer_budget=2048, slots=256, off_policy="pipeline", max_lag=8, decode_per_step=0, loss="cispo",
                 lr=5e-7, warmup_steps=100, adam_eps=1e-15, weight_decay=0.01, micro_batch_tokens=32768,
                 gen_share=0.8, dist_timeout=1800.0, threads=0)
@@ -258,20 +258,19 @@ def main(cfg):
     rollouts = None  # the generating side: in one process, and on generator ranks
     if job.world == 1 or job.rank in job.generators:  # each generator rank draws from its own share of the prompts
         share = train if job.world == 1 else train[job.generators.index(job.rank)::len(job.generators)]
-        rollouts = pipeline_rl.Rollouts(make_engine(cfg, model, tok, cfg.seed + job.rank), make_pool(cfg, share, tasks),
-                                        tok, cfg.max_prompt)
+        pool = data.make_pool(share, tasks, cfg.code_frac, seed=cfg.seed, npr=cfg.npr,
+                              npr_threshold=cfg.npr_threshold, zero_var=cfg.zero_var_filter)
+        rollouts = pipeline_rl.Rollouts(make_engine(cfg, model, tok, cfg.seed + job.rank), pool, tok, cfg.max_prompt)
     if job.rank in job.generators:  # a generator rank's whole job
+        state_path = os.path.join(cfg.out_dir, f"generator{job.rank}.pt")  # its part of the checkpoint
         if resume_point:
-            rollouts.engine.version = resume_point["version"]
-            restore_generator(rollouts, os.path.join(cfg.out_dir, f"generator{job.rank}.pt"), job.rank)
+            restore_generator(rollouts, state_path, resume_point["version"])
         pipeline_rl.run_generator(job, rollouts, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
-                                  group_size=cfg.group_size, save_every=cfg.ckpt_every,
-                                  state_path=os.path.join(cfg.out_dir, f"generator{job.rank}.pt"))
+                                  group_size=cfg.group_size, save_every=cfg.ckpt_every, state_path=state_path)
         return pipeline_rl.dist_cleanup(job)
 
     # -- the trainer: policy (FSDP2 over several trainer ranks), optimizer, batch source, held-out evaluation ---------
-    if job.rank == 0:  # held-out prompts, built once through the same guard as training prompts; the eval engine
-        # copies the model before FSDP2 shards it
+    if job.rank == 0:  # held-out prompts, built once through the same guard as training prompts (before sharding)
         eval_engine = make_engine(cfg, model, tok, cfg.seed + 1)
         scorer = rollouts if job.world == 1 else pipeline_rl.Rollouts(eval_engine, None, tok, cfg.max_prompt)
         held_out = [t for i, p in enumerate(val) if (t := scorer.template(p, -1 - i))]
@@ -373,18 +372,6 @@ def load_data(cfg):
                "built-in programs")
         cfg.answer_budget = data.CODE_ANSWER_TOKENS
     return train, val, tasks
-
-
-def make_pool(cfg, train, tasks):
-    """The curriculum: one PromptPool, or with several tasks a MixedPool in which code takes --code_frac of the
-    prompts and the others share the rest."""
-    kw = dict(seed=cfg.seed, npr=cfg.npr, npr_threshold=cfg.npr_threshold, zero_var=cfg.zero_var_filter)
-    if len(tasks) == 1:
-        return data.PromptPool(train, **kw)
-    others = [t for t in tasks if t != "code"]
-    shares = {t: cfg.code_frac if t == "code" else (1 - cfg.code_frac if "code" in tasks else 1) / len(others)
-              for t in tasks}
-    return data.MixedPool(train, shares, **kw)
 
 
 def build_model(cfg, vocab_size):
@@ -616,14 +603,14 @@ def start(cfg):
     return job, ckpt, resume_point
 
 
-def restore_generator(rollouts, path, rank):
+def restore_generator(rollouts, path, version):
     """--resume on a generator rank: its curriculum, samplers and counters, saved when it took the last checkpointed
-    version (or earlier)."""
+    version (or earlier); its engine was built from the checkpoint's weights, of `version`."""
+    rollouts.engine.version = version
     if not os.path.exists(path):
-        return print(f"warning: {path} is missing: generator rank {rank} restarts its curriculum", flush=True)
-    state = load_checkpoint(path, want=("version", "pool", "engine", "reward_errors", "bad_prompts"))
+        return print(f"warning: {path} is missing: this generator rank restarts its curriculum", flush=True)
     with fits(path):
-        rollouts.load_state_dict(state)
+        rollouts.load_state_dict(load_checkpoint(path, want=("version", "pool", "engine", "reward_errors")))
 
 
 def restore_trainer(cfg, ckpt, resume_point, job, policy, opt, source, rollouts):
