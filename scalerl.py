@@ -471,7 +471,7 @@ def save_checkpoint(path, weights, opt_state, step, clock, source, job, rollouts
     """Everything --resume needs from the trainer; in one process also the generating side's state (under torchrun
     each generator rank keeps its own, generator<rank>.pt)."""
     ckpt = dict(model=weights, opt=opt_state, step=step, version=source.version, stale=source.dropped_stale,
-              torch_rng=torch.get_rng_state(), world=job.world, generators=job.generators, **clock)
+                torch_rng=torch.get_rng_state(), world=job.world, generators=job.generators, **clock)
     if job.world == 1:
         ckpt["generating"] = rollouts.state_dict()
     atomic_save(ckpt, path)
@@ -550,6 +550,7 @@ def print0(*args, **kw):
     if int(os.environ.get("RANK", 0)) == 0:
         print(*args, **kw)
 
+
 def progress_line(row, max_steps, eta, tasks):
     """One line per step: reward, loss, clipping, mismatch, lag, truncation, zero-variance share, speeds, time."""
     return (f"step {row['step']:4d}/{max_steps} | reward {row['reward']:+.3f}{per_task(row, 'reward', tasks)} | loss "
@@ -599,8 +600,7 @@ def start(cfg):
         for key, n in (("version", ckpt["version"]), ("admitted", admitted), ("dropped", ckpt["stale"])):
             pipeline_rl.counter(job, key, n)
     resume_point = {k: ckpt[k] for k in ("step", "version", "stale")} if ckpt else None
-    resume_point = pipeline_rl.share(job, resume_point, everyone=True)
-    return job, ckpt, resume_point
+    return job, ckpt, pipeline_rl.share(job, resume_point, everyone=True)
 
 
 def restore_generator(rollouts, path, version):
@@ -627,9 +627,8 @@ def restore_trainer(cfg, ckpt, resume_point, job, policy, opt, source, rollouts)
         # the groups in flight at the checkpoint are regenerated
         source.admitted = resume_point["version"] * cfg.batch_prompts + resume_point["stale"]
         rollouts.engine.version = resume_point["version"]  # it was built from the checkpoint's weights
-    clock = dict(device_hours=0.0, cpu_hours=0.0)  # only rank 0 logs the clock
+    clock = {k: ckpt.get(k, 0.0) if ckpt else 0.0 for k in ("device_hours", "cpu_hours")}  # rank 0 logs it
     if ckpt:
-        clock = dict(device_hours=ckpt["device_hours"], cpu_hours=ckpt.get("cpu_hours", 0.0))
         torch.set_rng_state(ckpt["torch_rng"])
     print0(f"resumed {cfg.out_dir} at step {resume_point['step']} (in-flight completions are regenerated)")
     return resume_point["step"], clock
@@ -648,6 +647,7 @@ def finish(cfg, step, bad_run, tasks, t_start):
                                   plot=os.path.join(cfg.out_dir, "curve.png")))
     except ValueError as e:
         print(f"sigmoid fit skipped: {e}")
+
 
 if __name__ == "__main__":
     main(parse_args(sys.argv[1:]))

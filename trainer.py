@@ -158,7 +158,7 @@ def warm_start(cfg, model, tok, out_root):
     if cfg.sft_steps == 0 or cfg.model != "tiny":
         return
     key = {k: getattr(cfg, k) for k in ("seed", "n_layer", "n_embd", "n_head", "task", "levels", "sft_steps",
-                                         "sft_batch", "sft_lr", "sft_error_rate")}
+                                        "sft_batch", "sft_lr", "sft_error_rate")}
     key["vocab"], key["code"] = tok.get_vocab(), inspect.getsource(warm_start)  # any change to the recipe re-trains
     path = os.path.join(out_root, "warmstart", hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
                         + ".pt")
