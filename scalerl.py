@@ -251,9 +251,7 @@ def main(cfg):
             model.load_state_dict(ckpt["model"])
     if resume_point or cfg.model == "tiny":
         pipeline_rl.broadcast_from_rank0(job, model)  # every rank starts from rank 0's weights
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else \
-        torch.device("cpu")  # one GPU per rank under torchrun
-    model.to(device)
+    model.to(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")  # a GPU per rank
     n_params = sum(p.numel() for p in model.parameters())
     rollouts = None  # the generating side: in one process, and on generator ranks
     if job.world == 1 or job.rank in job.generators:  # each generator rank draws from its own share of the prompts
@@ -450,10 +448,9 @@ def load_checkpoint(path, want=("model", "opt", "step", "device_hours", "version
         ckpt = torch.load(path, weights_only=True)
     except Exception as e:  # noqa: BLE001 -- truncated, garbage or unsafe pickles all mean: not usable
         fail(f"checkpoint {path} is unreadable ({type(e).__name__}); restore a good copy or start a fresh --out_dir")
-    want = set(want)
-    if not isinstance(ckpt, dict) or not want <= set(ckpt):
-        fail(f"{path} is not a scalerl checkpoint (missing "
-             f"{sorted(want - set(ckpt)) if isinstance(ckpt, dict) else 'everything'}); start a fresh --out_dir")
+    missing = sorted(set(want) - set(ckpt)) if isinstance(ckpt, dict) else "everything"
+    if missing:
+        fail(f"{path} is not a scalerl checkpoint (missing {missing}); start a fresh --out_dir")
     return ckpt
 
 
