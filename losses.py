@@ -20,8 +20,8 @@ piece here changes one thing about that (paper sections in brackets):
    tiny ranges (3e-3 / 5e-3 worked for the paper; GSPO's own 3e-4 / 4e-4 did not).
 6. Aggregation (Sec. 3.2): how token losses become one number. Prompt average (ScaleRL: each prompt counts
    once, its tokens share its weight), sample average (GRPO), token average (DAPO).
-7. FP32 head (Sec. 3.2, Fig. 5b): logprobs from float32 logits on both generator and trainer, after the
-   sampling temperature; it lifted the asymptote from 0.52 to 0.61 by removing a ratio bias.
+7. FP32 head (Sec. 3.2, Fig. 5b): float32 logits on both generator (`head_logits`) and trainer (`head_logprobs`),
+   logprobs after the sampling temperature; it lifted the asymptote from 0.52 to 0.61 by removing a ratio bias.
 
 ScaleRL = CISPO + prompt aggregation + batch advantage normalisation + zero-variance filtering +
 No-Positive-Resampling + FP32 head. Filtering and resampling act on prompts and live in data.py: pass only
@@ -135,11 +135,12 @@ def aggregate(per_token, mask, group, how="prompt"):
 
 # ----------------------------------------------------------------------------- registry and entry point
 
-# The paper's option values for each loss, in one place: CISPO's truncation cap eps_max = 4 (Sec. 3.2: 4, 5 and 8
-# tied); DAPO's clip-higher range 0.2 / 0.28 (Sec. 3.2); GRPO's symmetric 0.2 (Sec. 3.2); GSPO's sequence-ratio
-# range 3e-3 / 5e-3 (Sec. 3.2: GSPO's own 3e-4 / 4e-4 did not work for them). Options passed by name override them.
-DEFAULTS = {"cispo": dict(eps_max=4.0), "dapo": dict(eps_low=0.2, eps_high=0.28),
-            "grpo": dict(eps_low=0.2, eps_high=0.2), "gspo": dict(eps_low=3e-3, eps_high=5e-3)}
+DEFAULTS = {  # name -> the paper's options for that loss; policy_loss's keyword arguments override them
+    "cispo": dict(eps_max=4.0),  # Sec. 3.2: the truncation cap; 4, 5 and 8 tied
+    "dapo": dict(eps_low=0.2, eps_high=0.28),  # Sec. 3.2: DAPO's clip-higher range
+    "grpo": dict(eps_low=0.2, eps_high=0.2),  # Sec. 3.2: symmetric PPO clipping
+    "gspo": dict(eps_low=3e-3, eps_high=5e-3),  # Sec. 3.2: on the sequence ratio (GSPO's own 3e-4 / 4e-4 failed)
+}
 LOSSES = {  # name -> per-token loss (B, T) of (logp, gen_logp, adv, mask, **DEFAULTS[name])
     "cispo": lambda lp, gen, adv, mask, eps_max: cispo(lp, gen, adv, eps_max),
     "dapo": lambda lp, gen, adv, mask, eps_low, eps_high: ppo_clip(lp, gen, adv, eps_low, eps_high),
@@ -182,7 +183,7 @@ def policy_loss(logp, gen_logp, adv, mask, weights, loss="cispo", **kw):
     return total, diag
 
 
-# ----------------------------------------------------------------------------- FP32-head logprobs (Sec. 3.2)
+# ----------------------------------------------------------------------------- FP32-head logprobs (Sec. 3.2, Fig. 5b)
 
 
 class _FP32HeadLogprobs(torch.autograd.Function):
@@ -206,15 +207,12 @@ class _FP32HeadLogprobs(torch.autograd.Function):
             lse[i:i + chunk] = z.exp_().sum(-1).log() + zmax[:, 0]
             lp[i:i + chunk] = tgt + zmax[:, 0] - lse[i:i + chunk]
         ctx.chunk, ctx.tau = chunk, tau
-        ctx.set_materialize_grads(False)
         ctx.save_for_backward(h, w, targets, lse)
         return lp
 
     @staticmethod
     def backward(ctx, g_lp):
         h, w, targets, lse = ctx.saved_tensors
-        if g_lp is None:
-            return (None,) * 5
         chunk, tau = ctx.chunk, ctx.tau
         wf = w.to(lse.dtype)
         buf = wf.new_empty(min(chunk, h.shape[0]), w.shape[0])

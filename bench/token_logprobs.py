@@ -1,9 +1,9 @@
 """Memory and time of losses.token_logprobs (the chunked FP32 LM head) against the naive full-logits path.
 
-One 16,384-token sequence (the paper's generation budget, App. A.10), a 151,936-token vocabulary, hidden size 64, on CPU. Each
-figure comes from a fresh subprocess: after the inputs exist, the process's peak resident memory (Linux
-VmHWM) is reset, the variant runs once, and "peak extra" is the new peak minus the resident memory at the
-reset. That is everything torch allocated on top of the inputs (logits buffers, saved tensors, gradients).
+One 16,384-token sequence (the paper's generation budget, App. A.10), a 151,936-token vocabulary, hidden size
+64, on CPU. Each figure comes from a fresh subprocess: after the inputs exist, the process's peak resident
+memory (Linux VmHWM) is reset, the variant runs once, and "peak extra" is the new peak minus the resident
+memory at the reset. That is everything torch allocated on top of the inputs (logits buffers, saved tensors, gradients).
 
 Variants:
   chunked          token_logprobs (custom autograd: forward keeps one log-normaliser per token, backward
@@ -56,7 +56,8 @@ def worker(variant, mode, tokens, vocab, hidden, chunk):
         if variant == "chunked":
             return token_logprobs(h, w, y, chunk=chunk)
         if variant == "checkpoint":
-            parts = [torch.utils.checkpoint.checkpoint(naive, h[:, i:i + chunk], w, y[:, i:i + chunk], use_reentrant=False)
+            parts = [torch.utils.checkpoint.checkpoint(naive, h[:, i:i + chunk], w, y[:, i:i + chunk],
+                                                       use_reentrant=False)
                      if mode == "fwd+bwd" else naive(h[:, i:i + chunk], w, y[:, i:i + chunk])
                      for i in range(0, tokens, chunk)]
             return torch.cat(parts, 1)
@@ -66,7 +67,9 @@ def worker(variant, mode, tokens, vocab, hidden, chunk):
         open("/proc/self/clear_refs", "w").write("5")
         base, peak = rss_kib("VmRSS"), lambda: rss_kib("VmHWM")
     except OSError:
-        base, peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        def peak():
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        base = peak()
     t0 = time.perf_counter()
     if mode == "fwd":
         with torch.no_grad():

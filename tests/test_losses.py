@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import losses
-from losses import (LOSSES, aggregate, aggregation_weights, cispo, group_advantages, gspo, policy_loss,
+from losses import (DEFAULTS, LOSSES, aggregate, aggregation_weights, cispo, group_advantages, gspo, policy_loss,
                     ppo_clip, token_logprobs)
 
 f64 = torch.float64
@@ -326,6 +326,8 @@ def test_policy_loss_matches_aggregate_and_paper_defaults():
         loss, diag = policy_loss(logp, gen_logp, adv, mask, w, loss=name)
         torch.testing.assert_close(loss, aggregate(fn(), mask, group, "sample"))
         assert diag["n_tokens"] == int(mask.sum())
+    assert DEFAULTS == {"cispo": {"eps_max": 4.0}, "dapo": {"eps_low": 0.2, "eps_high": 0.28},
+                        "grpo": {"eps_low": 0.2, "eps_high": 0.2}, "gspo": {"eps_low": 3e-3, "eps_high": 5e-3}}
     a, _ = policy_loss(logp, gen_logp, adv, mask, w, eps_max=1.0)  # kw reaches the loss
     torch.testing.assert_close(a, aggregate(cispo(logp, gen_logp, adv, 1.0), mask, group, "sample"))
     with pytest.raises(ValueError, match=r"\['cispo', 'dapo', 'grpo', 'gspo'\]"):
