@@ -29,6 +29,7 @@ batches, `--ckpt out/warmstart/<hash>.pt` (or a run's ckpt.pt) for a trained mod
 torch's default thread count.
 """
 import argparse
+from dataclasses import replace
 import os
 import sys
 import time
@@ -75,13 +76,8 @@ def load_model(cfg, tok, ckpt):
 
 
 def run_engine(model, tok, cfg, prompts, n, slots, interrupt, seed):
-    """One TorchEngine.generate call; returns its figures."""
-    eng = pipeline_rl.TorchEngine(
-        model, slots=slots, max_prompt=max(len(p) for p in prompts), think_budget=(cfg.think_min, cfg.think_max),
-        answer_budget=cfg.answer_budget, eos_id=tok.eos_token_id,
-        think_close_ids=scalerl.encode(tok, data.THINK_CLOSE),
-        interrupt_ids=scalerl.encode(tok, data.INTERRUPT_PHRASE) if interrupt else None,
-        temperature=1.0, seed=seed)
+    """One TorchEngine.generate call (the engine a run with these settings builds); returns its figures."""
+    eng = scalerl.make_engine(replace(cfg, engine="torch", slots=slots, interrupt=interrupt), model, tok, seed)
     prefills, forward = [0], eng._forward
 
     def counting_forward(rows, tokens, pos):  # a prefill is the only forward on one slot (rows is an int)
@@ -154,18 +150,18 @@ def main(argv=None):
                       "engine slot counts, also the model.generate batch sizes (comma-separated)")
 
     cfg = scalerl.Config()
-    tok = scalerl.char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=")
+    tok = data.char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=")
     tok.padding_side = "left"  # generate appends on the right: pads must sit before the prompt
     model = load_model(cfg, tok, args.ckpt)
     texts = [data.format_prompt(p.question, tok) for p in data.arith_problems(args.prompts, seed=args.seed)]
-    prompts = [scalerl.encode(tok, t) for t in texts]
+    prompts = [data.encode(tok, t) for t in texts]
     n_params = sum(p.numel() for p in model.parameters())
     print(f"engine benchmark | {n_params / 1e6:.2f}M params ({args.ckpt or 'random init'}) | torch "
           f"{torch.__version__}, {torch.get_num_threads()} thread(s) | load average {os.getloadavg()[0]:.2f}")
     print(f"  {args.prompts} prompts x {args.n} = {args.prompts * args.n} completions | prompt "
           f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens | think {cfg.think_min}-{cfg.think_max} + "
           f"answer {cfg.answer_budget} (generate: max_new_tokens {cfg.think_max + cfg.answer_budget}) | "
-          f"interruption phrase {len(scalerl.encode(tok, data.INTERRUPT_PHRASE))} tokens | best of {args.repeats}")
+          f"interruption phrase {len(data.encode(tok, data.INTERRUPT_PHRASE))} tokens | best of {args.repeats}")
 
     # Warm-up: first calls pay one-time costs (kernel selection, lazy imports) that are not throughput.
     run_engine(model, tok, cfg, prompts[:2], 2, 4, True, args.seed)

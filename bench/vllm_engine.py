@@ -16,6 +16,7 @@ Needs vLLM (pip install -r requirements-vllm.txt). Run: `python bench/vllm_engin
 2 CPU cores); `--slots 64 --prompts 64` for one bigger configuration, `--ckpt out/warmstart/<hash>.pt` for a
 trained model's lengths.
 """
+from dataclasses import replace
 import os
 import sys
 import time
@@ -51,9 +52,9 @@ def main(argv=None):
         raise SystemExit(f"error: this benchmark needs vLLM ({e}); pip install -r requirements-vllm.txt")
 
     cfg = scalerl.Config()
-    tok = scalerl.char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=")
+    tok = data.char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=")
     model = bench.load_model(cfg, tok, args.ckpt)
-    prompts = [scalerl.encode(tok, data.format_prompt(p.question, tok))
+    prompts = [data.encode(tok, data.format_prompt(p.question, tok))
                for p in data.arith_problems(args.prompts, seed=args.seed)]
     print(f"vLLM engine benchmark | {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params "
           f"({args.ckpt or 'random init'}) | vllm {vllm.__version__}, torch {torch.__version__}, "
@@ -61,22 +62,19 @@ def main(argv=None):
     print(f"  {args.prompts} prompts x {args.n} = {args.prompts * args.n} completions | think {cfg.think_min}-"
           f"{cfg.think_max} + answer {cfg.answer_budget} | best of {args.repeats}")
 
-    def make(cls, slots, interrupt):
-        return cls(model, slots=slots, max_prompt=max(map(len, prompts)), think_budget=(cfg.think_min, cfg.think_max),
-                   answer_budget=cfg.answer_budget, eos_id=tok.eos_token_id,
-                   think_close_ids=scalerl.encode(tok, data.THINK_CLOSE),
-                   interrupt_ids=scalerl.encode(tok, data.INTERRUPT_PHRASE) if interrupt else None, seed=args.seed)
+    def make(engine, slots, interrupt):  # the engine a run with these settings builds
+        return scalerl.make_engine(replace(cfg, engine=engine, slots=slots, interrupt=interrupt), model, tok, args.seed)
 
     head = (f"{'engine':<6} {'slots':>5} {'intr':>4} {'tokens':>7} {'forced':>6} {'intr%':>5} {'steps':>6} "
             f"{'first s':>7} {'s':>6} {'tok/s':>7} {'x torch':>7}")
     rows, t_start = [], time.time()
-    run(make(pipeline_rl.TorchEngine, 4, True), prompts[:2], 2, args.seed)  # warm-up of the torch side
+    run(make("torch", 4, True), prompts[:2], 2, args.seed)  # warm-up of the torch side
     for slots in args.slots:
         for interrupt in (False, True):
             t0 = time.perf_counter()
-            veng = make(pipeline_rl.VLLMEngine, slots, interrupt)
+            veng = make("vllm", slots, interrupt)
             start = time.perf_counter() - t0
-            teng = make(pipeline_rl.TorchEngine, slots, interrupt)
+            teng = make("torch", slots, interrupt)
             first = run(veng, prompts, args.n, args.seed)
             t = min((run(teng, prompts, args.n, args.seed) for _ in range(args.repeats)), key=lambda r: r["seconds"])
             v = min([first] + [run(veng, prompts, args.n, args.seed) for _ in range(args.repeats - 1)],

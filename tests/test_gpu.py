@@ -4,19 +4,15 @@ the GPU with a bf16 body and an FP32 or bf16 head, and a few real steps of `pyth
 Run: python -m pytest -m gpu -s   (prints the measured mismatches)
 """
 import copy
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-import pipeline_rl
+import losses
+from conftest import read_jsonl, run_command, scalerl_command
 from test_pipeline import engine, templates, tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def gpu_mismatch(body_dtype, head_dtype):
@@ -30,7 +26,7 @@ def gpu_mismatch(body_dtype, head_dtype):
         ids = torch.tensor([s.prompt_tokens + s.tokens], device="cuda")
         with torch.no_grad(), torch.autocast("cuda", dtype=body_dtype, enabled=body_dtype != torch.float32):
             h = m.model(input_ids=ids).last_hidden_state
-        lp = pipeline_rl.head_logprobs(h[:, :-1], m.lm_head.weight, ids[:, 1:], 1.0, head_dtype)[0]
+        lp = losses.head_logprobs(h[:, :-1], m.lm_head.weight, ids[:, 1:], 1.0, head_dtype)[0]
         free = ~torch.tensor(s.forced, device="cuda")
         gaps.append((torch.tensor(s.logprobs, device="cuda") - lp[len(s.prompt_tokens) - 1:])[free])
     return torch.cat(gaps).abs().mean().item()
@@ -46,11 +42,10 @@ def test_engine_runs_on_the_gpu_and_fp32_head_narrows_the_mismatch():
 
 def test_a_few_steps_on_the_gpu(tmp_path):
     out = tmp_path / "run"
-    p = subprocess.run([sys.executable, "scalerl.py", "--config=smoke", f"--out_dir={out}", "--dtype=bfloat16",
-                        "--zero_var_filter=false"], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                       env=dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1"))
+    p = run_command(scalerl_command("--config=smoke", f"--out_dir={out}", "--dtype=bfloat16",
+                                    "--zero_var_filter=false"), timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    rows = read_jsonl(out / "metrics.jsonl")
     train = [r for r in rows if "reward" in r]
     assert [r["step"] for r in train] == [1, 2, 3, 4] and all(r["train_tokens"] > 0 for r in train)
     print("\n" + "\n".join(line for line in p.stdout.splitlines() if line.startswith("step")))

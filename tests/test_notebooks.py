@@ -1,27 +1,17 @@
 """Execute every notebook in notebooks/ headless, from its own directory, and fail on any cell error.
 
-Run: python -m pytest tests/test_notebooks.py -q   (needs nbclient and ipykernel in the same environment)
+The notebooks run in the 'python3' kernel, which must be this environment's interpreter (it has the project's
+packages). Run: python -m pytest tests/test_notebooks.py -q   (needs nbclient and ipykernel in the same environment)
 """
 import glob
 import os
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT
+
 NOTEBOOK_DIR = os.path.join(ROOT, "notebooks")
 NOTEBOOKS = sorted(glob.glob(os.path.join(NOTEBOOK_DIR, "*.ipynb")))
-
-
-@pytest.mark.slow
-def test_python3_kernel_is_this_python():
-    """The notebooks run in the 'python3' kernel: it must be this interpreter, which has the project's packages."""
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import sys; print(sys.executable)")])
-    nbclient.NotebookClient(nb, kernel_name="python3", timeout=120).execute()
-    printed = nb.cells[0].outputs[0]["text"].strip()
-    assert os.path.realpath(printed) == os.path.realpath(sys.executable)
 
 
 @pytest.mark.slow

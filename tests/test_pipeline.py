@@ -1,6 +1,8 @@
-"""Invariants of the generator side (DESIGN.md): logprobs, versions, forced tokens, lag bound, k=0 == synchronous.
+"""Invariants of the generating side: logprobs, versions, forced tokens, lag bound, k=0 == synchronous.
 
-Real components: a small `transformers` Llama, the PyTorch engine, the scheduler. Run: python -m pytest tests/test_pipeline.py
+Real components: a small `transformers` Llama, the PyTorch engine, and for the scheduler tests the whole generating
+side of one process (scalerl.make_engine, pipeline_rl.Rollouts on the built-in arithmetic task, the Scheduler).
+Run: python -m pytest tests/test_pipeline.py
 """
 import copy
 
@@ -8,8 +10,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import data
 import losses
 import pipeline_rl
+import scalerl
+import trainer
 
 EOS, CLOSE, PHRASE = 1, 4, [7, 8, 9, 4]  # token ids: end of sequence, </think>, the interruption phrase
 
@@ -36,7 +41,7 @@ def trainer_logprobs(model, s, head_dtype=torch.float32, autocast=None):
     ids = torch.tensor([s.prompt_tokens + s.tokens])
     with torch.no_grad(), torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
         h = model.model(input_ids=ids).last_hidden_state
-    lp = pipeline_rl.head_logprobs(h[:, :-1], model.lm_head.weight, ids[:, 1:], 1.0, head_dtype)
+    lp = losses.head_logprobs(h[:, :-1], model.lm_head.weight, ids[:, 1:], 1.0, head_dtype)
     return lp[0, len(s.prompt_tokens) - 1:]
 
 
@@ -79,13 +84,13 @@ def test_bf16_head_mismatch_is_measurable_and_fp32_head_reduces_it():
 @pytest.fixture
 def never_stop(monkeypatch):
     """Make </think> and EOS unsampleable, so thinking always runs into its budget."""
-    head = pipeline_rl.head_logits
+    head = losses.head_logits
 
     def biased(hidden, weight, head_dtype=torch.float32):
         logits = head(hidden, weight, head_dtype)
         logits[..., [EOS, CLOSE]] = -1e4
         return logits
-    monkeypatch.setattr(pipeline_rl, "head_logits", biased)
+    monkeypatch.setattr(losses, "head_logits", biased)  # the engine samples through losses.head_logits
 
 
 def test_forced_interruption_tokens_are_marked_and_budgets_hold(never_stop):
@@ -103,10 +108,10 @@ def test_forced_interruption_tokens_are_marked_and_budgets_hold(never_stop):
 
 
 def head_ref_logprobs(model, s):
-    """Full-sequence recompute through pipeline_rl.head_logits (so the never_stop bias applies here too)."""
+    """Full-sequence recompute through losses.head_logits (so the never_stop bias applies here too)."""
     ids = torch.tensor([s.prompt_tokens + s.tokens])
     with torch.no_grad():
-        logits = pipeline_rl.head_logits(model.model(input_ids=ids).last_hidden_state[:, :-1], model.lm_head.weight)
+        logits = losses.head_logits(model.model(input_ids=ids).last_hidden_state[:, :-1], model.lm_head.weight)
     lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[0, :, 0]
     return lp[len(s.prompt_tokens) - 1:]
 
@@ -141,31 +146,48 @@ def perturb(model, step):
             p.add_(torch.randn(p.shape, generator=g) * 0.02)
 
 
+TOK = data.char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=")  # <eos>=1 and </think>=4, as above
+PROBLEMS = data.arith_problems(40, levels=(1, 2))
+
+
+def rollouts(model, seed=0):
+    """One process's generating side, as scalerl.main builds it: an engine from a Config (its own copy of `model`),
+    the curriculum over the built-in arithmetic task, prompts through the tokenizer, rewards from the verifier."""
+    cfg = scalerl.Config(slots=6, think_min=8, think_max=12, answer_budget=5, max_prompt=64)
+    return pipeline_rl.Rollouts(scalerl.make_engine(cfg, model, TOK, seed), data.PromptPool(PROBLEMS, seed=seed), TOK,
+                                cfg.max_prompt)
+
+
 def run_scheduler(mode, k, steps=6, B=3, G=2, decode_per_step=4):
-    trainer = tiny_model()
-    sched = pipeline_rl.Scheduler(engine(copy.deepcopy(trainer), slots=6, think=(8, 12)), mode=mode, k=k,
-                                  batch_prompts=B, group_size=G, decode_per_step=decode_per_step,
-                                  new_prompt=lambda gid: templates(1, gid)[0])
+    learner = tiny_model(vocab=len(TOK))  # the trainer's weights
+    sched = pipeline_rl.Scheduler(rollouts(learner), mode=mode, k=k, batch_prompts=B, group_size=G,
+                                  decode_per_step=decode_per_step)
     batches, lags = [], []
     for step in range(steps):
         batch = sched.next_batch()
-        assert len(batch) == B and all(len(g) == G for g in batch)
-        lags.append(max(sched.version - v for g in batch for s in g for v in s.versions))
-        assert sched.lag(batch)[1] <= k
-        batches.append(batch)
-        perturb(trainer, step)
-        sched.push_weights(trainer)
+        groups = batch.groups
+        assert len(groups) == B and all(len(g) == G for g in groups)
+        assert [g[0].group for g in groups] == sorted(g[0].group for g in groups)  # admission order
+        assert all(s.reward in (-1.0, 1.0) for g in groups for s in g)  # scored by the verifier
+        assert batch.kept == [g for g in groups if len({s.reward for s in g}) > 1]  # the zero-variance filter
+        lags.append(max(sched.version - v for g in groups for s in g for v in s.versions))  # forced tokens too
+        assert batch.lag_max <= lags[-1] and 0 <= batch.lag_mean <= batch.lag_max <= k
+        batches.append(groups)
+        perturb(learner, step)
+        sched.push_weights(learner.state_dict())
     return batches, lags, sched
 
 
 @pytest.mark.parametrize("mode,k", [("pipeline", 0), ("pipeline", 1), ("pipeline", 3), ("ppo", 1), ("ppo", 3)])
 def test_lag_never_exceeds_k(mode, k):
-    batches, lags, _ = run_scheduler(mode, k)
+    batches, lags, sched = run_scheduler(mode, k)
     assert max(lags) <= k
     if k >= (1 if mode == "pipeline" else 2):  # off-policy data really appears (PPO-off-policy-k lags up to k-1)
         assert max(lags) >= 1
     if mode == "pipeline" and k >= 1:  # in-flight updates: some completion holds tokens of two versions
         assert any(len(set(s.versions)) > 1 for b in batches for g in b for s in g)
+    assert sched.totals()["tokens"] > 0
+    assert sched.rollouts.pool.groups_seen == sum(map(len, batches))  # each trained group recorded once
 
 
 def test_pipeline_k0_equals_synchronous_ppo_k1():
@@ -175,6 +197,7 @@ def test_pipeline_k0_equals_synchronous_ppo_k1():
     for ba, bb in zip(a, b):
         for ga, gb in zip(ba, bb):
             for sa, sb in zip(ga, gb):
+                assert sa.prompt_id == sb.prompt_id and sa.reward == sb.reward
                 assert sa.tokens == sb.tokens and sa.logprobs == sb.logprobs and sa.versions == sb.versions
 
 
@@ -193,18 +216,17 @@ def test_continuous_batching_refills_slots_and_shares_prefill():
 
 
 def test_bad_scheduler_settings_are_refused():
-    eng = engine(tiny_model())
+    side = rollouts(tiny_model(vocab=len(TOK)))
     with pytest.raises(ValueError, match="k >= 1"):
-        pipeline_rl.Scheduler(eng, mode="ppo", k=0, batch_prompts=1, group_size=2, new_prompt=None)
+        pipeline_rl.Scheduler(side, mode="ppo", k=0, batch_prompts=1, group_size=2)
     with pytest.raises(ValueError, match="unknown"):
-        pipeline_rl.Scheduler(eng, mode="async", k=1, batch_prompts=1, group_size=2, new_prompt=None)
+        pipeline_rl.Scheduler(side, mode="async", k=1, batch_prompts=1, group_size=2)
 
 
 def test_trainer_tensors_mask_forced_tokens_and_align_logprobs(never_stop):
-    import scalerl
     m = tiny_model(seed=3)
     samples = [s for g in engine(copy.deepcopy(m), think=(6, 9), answer=4).generate(templates(3), 2) for s in g]
-    ids, att, tmask, gen_logp = scalerl.rollout_tensors(samples, pad_id=0)
+    ids, att, tmask, gen_logp = trainer.rollout_tensors(samples, pad_id=0)
     for i, s in enumerate(samples):
         P, n = len(s.prompt_tokens), len(s.tokens)
         assert ids[i, P:P + n].tolist() == s.tokens and att[i].sum() == P + n

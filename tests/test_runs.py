@@ -1,19 +1,17 @@
 """runs/ablations.py, as a user runs it: launches runs into their own directories, passes extra flags to every run,
 skips finished ones, and writes its report even when the runs are too short to fit."""
 import os
-import subprocess
 import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT, run_command
 SMOKE = ["--max_steps=2", "--eval_every=1", "--eval_prompts=8", "--eval_samples=2", "--n_train=200", "--sft_steps=20",
          "--batch_prompts=4", "--group_size=4", "--slots=16", "--ckpt_every=1"]
 
 
 def ablations(out, *args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "runs", "ablations.py"), "--out", str(out), *args],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return run_command([sys.executable, os.path.join(ROOT, "runs", "ablations.py"), "--out", str(out), *args])
 
 
 @pytest.mark.slow

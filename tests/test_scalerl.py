@@ -10,19 +10,16 @@ All runs share one temporary base directory, so the supervised warm start is com
 its cache (`<base>/warmstart/`). Run: python -m pytest tests/test_scalerl.py (add `-m "not slow"` to skip the runs).
 """
 from dataclasses import asdict
-import hashlib
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import scalerl
+from conftest import one_line_error, read_jsonl, run_command, scalerl_command, tree_hashes
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METRIC_NAMES = {"step", "device_hours", "policy_version", "reward", "loss", "clip_frac", "mismatch_kl", "lag_mean",
                 "lag_max", "dropped_stale", "trunc_rate", "zero_var_frac", "npr_removed", "gen_tok_s", "train_tok_s",
                 "dt"}
@@ -120,33 +117,8 @@ def test_preset_then_overrides():
 
 
 def run(*args, timeout=600):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    return subprocess.run([sys.executable, os.path.join(ROOT, "scalerl.py"), "--config", "smoke", "--threads=1",
-                           *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def one_line_error(p):
-    """The failed run's stderr is exactly one `error: ...` line (no traceback)."""
-    assert p.returncode != 0, p.stdout[-2000:]
-    assert "Traceback" not in p.stderr, p.stderr[-3000:]
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr[-3000:]
-    return lines[0]
-
-
-def read_jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f]
-
-
-def tree_hashes(d):
-    out = {}
-    for root, _, files in os.walk(d):
-        for name in files:
-            path = os.path.join(root, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, d)] = hashlib.sha256(f.read()).hexdigest()
-    return out
+    """`python scalerl.py --config smoke --threads=1 ARGS`, offline, output captured."""
+    return run_command(scalerl_command("--config", "smoke", "--threads=1", *args), timeout=timeout)
 
 
 @pytest.fixture(scope="session")
@@ -204,12 +176,15 @@ def test_smoke_run_metrics(smoke_run):
 
     # the checkpoint: plain tensors and containers, and it restores the model and optimizer it came from
     ck = torch.load(out / "ckpt.pt", weights_only=True)
-    assert {"model", "opt", "pool", "step"} <= set(ck) and ck["step"] == cfg.max_steps
+    assert {"model", "opt", "generating", "step"} <= set(ck) and ck["step"] == cfg.max_steps
     vocab = ck["model"]["model.embed_tokens.weight"].shape[0]
     model = scalerl.build_model(cfg, vocab)
     model.load_state_dict(ck["model"])  # strict: the same architecture as the config says
     torch.optim.AdamW(model.parameters()).load_state_dict(ck["opt"])
-    assert isinstance(ck["pool"], dict) and ck["pool"]["groups_seen"] == cfg.max_steps * cfg.batch_prompts
+    gen = ck["generating"]  # one process: the generating side's state (pipeline_rl.Rollouts.state_dict)
+    assert set(gen) == {"pool", "engine", "reward_errors", "bad_prompts"}
+    assert set(gen["engine"]) == {"rng", "budget_rng"}
+    assert isinstance(gen["pool"], dict) and gen["pool"]["groups_seen"] == cfg.max_steps * cfg.batch_prompts
     assert not os.path.exists(str(out / "ckpt.pt") + ".tmp")
 
 # ---------------------------------------------------------------------------------------------------------------------
