@@ -330,8 +330,9 @@ class Rollouts:
             problem = self.pool.next()
             if problem.id not in self.bad_prompts and (t := self.template(problem, group)) is not None:
                 return t
-        raise SystemExit(f"error: 1000 prompts in a row could not be built (last: {problem.id}); check --task and "
-                         "its prompt field")
+        print(f"error: 1000 prompts in a row could not be built (last: {problem.id}); check --task and its prompt "
+              "field", file=sys.stderr)
+        raise SystemExit(2)
 
     def reward(self, s):
         """The reward of one completion; a verifier that raises costs that completion only: -1, counted, logged."""

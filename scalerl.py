@@ -401,17 +401,17 @@ def load_model(cfg, tasks):
 
 
 def make_engine(cfg, model, tok, seed, device=None):
-    """A generation engine (--engine) holding its own copy of `model`'s weights in the body dtype, with the run's
-    budgets, interruption phrase, temperature and head precision."""
+    """A generation engine (--engine): its own copy of `model` in the body dtype, the run's budgets and sampling."""
     engine_cls = pipeline_rl.VLLMEngine if cfg.engine == "vllm" else pipeline_rl.TorchEngine
-    try:
+    device, dtype = device or next(model.parameters()).device, getattr(torch, cfg.dtype)
+    cast = {id(p): torch.nn.Parameter(p.detach().to(device, dtype), False) for p in model.parameters()}
+    try:  # parameters cast while copied: never a second fp32 copy of the model on the device
         return engine_cls(
-            copy.deepcopy(model).to(device or next(model.parameters()).device, getattr(torch, cfg.dtype)),
-            slots=cfg.slots, max_prompt=cfg.max_prompt, think_budget=(cfg.think_min, cfg.think_max),
-            answer_budget=cfg.answer_budget, eos_id=tok.eos_token_id,
+            copy.deepcopy(model, cast).to(device, dtype), slots=cfg.slots, max_prompt=cfg.max_prompt,
+            think_budget=(cfg.think_min, cfg.think_max), answer_budget=cfg.answer_budget, eos_id=tok.eos_token_id,
             think_close_ids=data.encode(tok, data.THINK_CLOSE), temperature=cfg.temperature,
             interrupt_ids=data.encode(tok, data.INTERRUPT_PHRASE) if cfg.interrupt else None,
-            head_dtype=torch.float32 if cfg.fp32_head else getattr(torch, cfg.dtype), seed=seed)
+            head_dtype=torch.float32 if cfg.fp32_head else dtype, seed=seed)
     except ImportError as e:  # vllm not installed (or a broken install)
         fail(f"--engine vllm needs vLLM: pip install -r requirements-vllm.txt ({pipeline_rl.first_line(e)})")
     except ValueError as e:  # an option the engine cannot honour
@@ -607,7 +607,7 @@ def restore_generator(rollouts, path, version):
     if not os.path.exists(path):
         return print(f"warning: {path} is missing: this generator rank restarts its curriculum", flush=True)
     with fits(path):
-        rollouts.load_state_dict(load_checkpoint(path, want=("version", "pool", "engine", "reward_errors")))
+        rollouts.load_state_dict(load_checkpoint(path, want=("version",)))
 
 
 def restore_trainer(cfg, ckpt, resume_point, job, policy, opt, source, rollouts):

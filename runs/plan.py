@@ -6,6 +6,7 @@ loaded or downloaded.
     python scalerl.py --config=8b --dry_run --plan_gpus=8   # the same recipe on one 8-GPU node
 """
 import os
+import sys
 
 import pipeline_rl
 
@@ -31,7 +32,8 @@ def plan(cfg):
     try:
         trainers, gens = pipeline_rl.roles(world, cfg.gen_ranks, cfg.gen_share) if world > 1 else ([0], [])
     except ValueError as e:
-        raise SystemExit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
     T, G_ = len(trainers), max(len(gens), 1)
     seq = cfg.max_prompt + cfg.think_max + 24 + cfg.answer_budget  # 24: the interruption phrase, generously
     BG = cfg.batch_prompts * cfg.group_size
