@@ -27,10 +27,12 @@ Choices, with the paper's sections:
 6. "Slope equals B" (Fig. 7): log((R - R0) / (A - R)) is a straight line of slope B in log C.
 
 Run:
-    python sigmoid_fit.py out/<run>/metrics.jsonl [more runs or run dirs or points.csv] \
-        [--fit-until X] [--c-min X] [--r0 X] [--plot curve.png] [--power-law] [--metric pass_rate] [--per-task]
+    python sigmoid_fit.py out/<run>/metrics.jsonl [more runs or run dirs or points.csv] [--fit-until X] \
+        [--c-min X] [--r0 X] [--plot curve.png] [--power-law] [--compute device_hours] [--metric pass_rate] [--per-task]
 A metrics.jsonl gives eval rows (those with `pass_rate`) against `device_hours`, the cumulative training
-device-hours; its row at compute 0 is R0. A CSV holds `compute,pass_rate` rows (header optional).
+device-hours; its row at compute 0 is R0. A CSV's columns are read by name as well (`--compute`, `--metric`);
+a headerless CSV holds `compute,pass_rate` rows. In a report on several runs, a run that cannot be fitted (too
+few points in the fit window) is noted and skipped.
 --per-task fits each `pass_rate_<task>` column of a multi-task run (math+code: one curve per task, Table 1).
 """
 import argparse
@@ -49,6 +51,10 @@ PAPER_CMID_GRID = np.linspace(100.0, 40000.0, 100)  # GPU-hours
 B_BOUNDS = (0.05, 20.0)
 MIN_POINTS = 4  # three fitted parameters need at least one more point
 NOISE_MARGIN = 0.02  # run-to-run spread of A the paper treats as noise
+
+
+class TooFewPoints(ValueError):
+    """Fewer than MIN_POINTS points in the fit window: a report on several runs notes the run and fits the rest."""
 
 
 def sigmoid(C, A, B, C_mid, R0):
@@ -98,7 +104,7 @@ def _window(C, R, c_min, c_max):
         raise ValueError(f"compute and pass rate must be finite numbers of equal length ({C.size} vs {R.size})")
     keep = (C > 0) & (C >= (c_min if c_min is not None else 0)) & (C <= (c_max if c_max is not None else np.inf))
     if keep.sum() < MIN_POINTS:
-        raise ValueError(f"need at least {MIN_POINTS} points with compute > 0 in the fit window, got {keep.sum()}")
+        raise TooFewPoints(f"need at least {MIN_POINTS} points with compute > 0 in the fit window, got {keep.sum()}")
     return C[keep], R[keep]
 
 
@@ -302,8 +308,9 @@ def plot_runs(runs, path, power_law=False, fit_until=None, xlabel="compute (devi
 
 
 def read_points(path, compute_key="device_hours", metric_key="pass_rate"):
-    """(C, R, r0_guess) from a metrics.jsonl (eval rows: those holding metric_key) or a CSV of
-    compute,pass_rate. Only points with C > 0 are returned; r0_guess is R at compute 0 (None if absent).
+    """(C, R, r0_guess) from a metrics.jsonl (eval rows: those holding metric_key) or a CSV whose header names
+    the columns (or, headerless, compute,pass_rate). Only points with C > 0 are returned; r0_guess is R at compute 0
+    (None if absent).
     A torn last jsonl line (a run killed mid-write) is skipped with a warning."""
     if os.path.isdir(path):
         path = os.path.join(path, "metrics.jsonl")
@@ -313,13 +320,22 @@ def read_points(path, compute_key="device_hours", metric_key="pass_rate"):
         lines = [(i + 1, s) for i, s in enumerate(f) if s.strip()]
     rows = []
     if path.lower().endswith(".csv"):
-        for n, line in lines:
-            cells = next(csv.reader([line]))
+        table = [(n, [c.strip() for c in next(csv.reader([line]))]) for n, line in lines]
+        names = table[0][1] if table and not any(map(_is_number, table[0][1])) else None  # a header: no numbers
+        cols, want = (0, 1), "two numbers 'compute,pass_rate'"  # a headerless file: compute, pass rate
+        if names:  # columns by name, as in a metrics.jsonl
+            cols, table = _csv_columns(path, names, compute_key, metric_key), table[1:]
+            want = f"numbers in columns {names[cols[0]]!r} and {names[cols[1]]!r}"
+        elif table and len(table[0][1]) != 2:
+            raise ValueError(f"{path}: {len(table[0][1])} columns and no header; add a header row naming the columns "
+                             "(then --compute and --metric pick them)")
+        for n, cells in table:
             try:
-                rows.append((n, float(cells[0]), float(cells[1])))
+                if len(cells) != len(names or cols):
+                    raise IndexError
+                rows.append((n, float(cells[cols[0]]), float(cells[cols[1]])))
             except (ValueError, IndexError):
-                if n != lines[0][0]:  # only the first line may be a header
-                    raise ValueError(f"{path}:{n}: expected two numbers 'compute,pass_rate', got {line.strip()!r}")
+                raise ValueError(f"{path}:{n}: expected {want}, got {','.join(cells)!r}") from None
     else:
         for n, line in lines:
             try:
@@ -345,10 +361,37 @@ def read_points(path, compute_key="device_hours", metric_key="pass_rate"):
     return C[C > 0], R[C > 0], r0
 
 
+def _is_number(cell):
+    try:
+        float(cell)
+    except ValueError:
+        return False
+    return True
+
+
+def _csv_columns(path, names, compute_key, metric_key):
+    """(compute, metric) column indices of a CSV header, by name. Where the default compute column is absent and
+    exactly one other column could be compute (an index such as `step` cannot), that one is taken, with a note."""
+    def missing(key, option):
+        return ValueError(f"{path} has no column {key!r} (columns: {', '.join(names)}); pass {option}")
+    if metric_key not in names:
+        raise missing(metric_key, "--metric=NAME")
+    others = [c for c in names if c != metric_key and c.lower() not in ("", "step", "epoch", "index", "iter",
+                                                                          "iteration")]
+    if compute_key not in names:
+        if compute_key != "device_hours" or len(others) != 1:
+            raise missing(compute_key, f"--compute={others[0]}" if len(others) == 1 else
+                          f"--compute with one of {', '.join(others)}" if others else "--compute=NAME")
+        if others[0] != "compute":  # `compute,pass_rate`, the documented CSV, is taken silently
+            print(f"note: {path}: no column 'device_hours'; using {others[0]!r} as compute", file=sys.stderr)
+        compute_key = others[0]
+    return names.index(compute_key), names.index(metric_key)
+
+
 def analyze(paths, plot=None, fit_until=None, c_min=None, r0=None, power_law=False, metric_key="pass_rate",
             compute_key="device_hours"):
     """Fit every run, return the report: parameters, A's bootstrap spread, extrapolation check."""
-    runs = []
+    runs, skipped = [], []
     out = [f"{'run':<28} {'n':>4} {'window':>19} {'R0':>6} {'A':>6} {'A 90% (boot)':>13} {'B':>5} {'C_mid':>9} "
            f"{'rmse':>7}"]
     for p in paths:  # a path, or (path, metric) for one task's curve of a multi-task run
@@ -357,18 +400,24 @@ def analyze(paths, plot=None, fit_until=None, c_min=None, r0=None, power_law=Fal
         R0 = r0 if r0 is not None else r0_guess
         if R0 is None:
             raise ValueError(f"{p}: no point at compute 0 to take R0 from; add one or pass --r0")
-        try:
-            fit = fit_sigmoid(C, R, R0, c_min=c_min, c_max=fit_until)
-            power = fit_power_law(C, R, c_min=c_min, c_max=fit_until) if power_law else None
-        except ValueError as e:
-            raise ValueError(f"{p}: {e}") from None
         q = os.path.normpath(p)  # label: the run directory's name, or the file name of a CSV
         label = os.path.basename(os.path.dirname(q) if q.endswith("metrics.jsonl") else q) or p
         label += f":{key[len('pass_rate_'):]}" if key != metric_key and key.startswith("pass_rate_") else ""
+        try:
+            fit = fit_sigmoid(C, R, R0, c_min=c_min, c_max=fit_until)
+            power = fit_power_law(C, R, c_min=c_min, c_max=fit_until) if power_law else None
+        except TooFewPoints as e:  # noted under the table; an error only if no run can be fitted
+            skipped.append((p, label, e))
+            continue
+        except ValueError as e:
+            raise ValueError(f"{p}: {e}") from None
         runs.append(dict(label=label, C=C, R=R, R0=R0, fit=fit, power=power))
         w = f"[{fit.window[0]:.3g}, {fit.window[1]:.3g}]"
         out.append(f"{label[-28:]:<28} {fit.n_points:>4} {w:>19} {R0:>6.3f} {fit.A:>6.3f} "
                    f"{fit.A_ci[0]:>6.3f}-{fit.A_ci[1]:.3f} {fit.B:>5.2f} {fit.C_mid:>9.3g} {fit.rmse:>7.4f}")
+    if not runs:  # nothing to report: the error, word for word as for a single run
+        raise ValueError("; ".join(dict.fromkeys(f"{p}: {e}" for p, _, e in skipped)))
+    out += [f"{label}: skipped: {e}" for _, label, e in skipped]
     for run in runs:
         fit, C = run["fit"], run["C"]
         out.append(f"\n{run['label']}: A = {fit.A:.3f} +- {fit.A_std:.3f} (bootstrap std over the fit window); "
@@ -409,7 +458,8 @@ def per_task_metrics(path):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Fit the ScaleRL compute-performance sigmoid to run logs.")
-    ap.add_argument("paths", nargs="+", help="metrics.jsonl, run directory, or CSV of compute,pass_rate")
+    ap.add_argument("paths", nargs="+", help="metrics.jsonl, run directory, or CSV (columns by name; headerless: "
+                    "compute,pass_rate)")
     ap.add_argument("--fit-until", type=float, help="fit on compute <= X, check the prediction after it")
     ap.add_argument("--c-min", type=float, help="exclude points with compute < X (paper: 1.5k GPU-hours)")
     ap.add_argument("--r0", type=float, help="pass rate before RL (default: the log's row at compute 0)")

@@ -317,3 +317,101 @@ def test_cli_bad_input_is_one_line(tmp_path, content, msg):
     p = run_cli(str(path), "--r0", "0.4") if content and not content.startswith("0,") else run_cli(str(path))
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr.startswith("error: ") and msg in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------- CSV columns by name, short runs
+
+
+def write_csv(path, header, rows):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write((header + "\n" if header else "") + "".join(",".join(map(str, r)) + "\n" for r in rows))
+    return path
+
+
+def gpu_hour_points(n=12):
+    """A batch_2048-like curve in GPU-hours, with its R0 row at compute 0."""
+    C = np.concatenate([[0.0], np.geomspace(1500, 100000, n)])
+    return C, sigmoid(C, 0.645, 1.7, 10909, 0.4) + np.r_[0, np.random.default_rng(0).normal(0, 0.004, n)]
+
+
+def test_read_points_csv_columns_by_name(tmp_path, capsys):
+    C, R = gpu_hour_points()
+    named = write_csv(str(tmp_path / "named.csv"), "step,gpu_hours,pass_rate", zip(range(len(C)), C, R))
+    plain = read_points(write_csv(str(tmp_path / "plain.csv"), None, zip(C, R)))  # headerless: compute,pass_rate
+    for a, b in zip(read_points(named, compute_key="gpu_hours"), plain):
+        np.testing.assert_allclose(a, b)
+    assert capsys.readouterr().err == ""
+    for a, b in zip(read_points(named), plain):  # `step` is an index: gpu_hours is the one candidate, with a note
+        np.testing.assert_allclose(a, b)
+    assert capsys.readouterr().err == f"note: {named}: no column 'device_hours'; using 'gpu_hours' as compute\n"
+    reordered = write_csv(str(tmp_path / "r.csv"), "pass_rate,device_hours,run", [(r, c, "x") for c, r in zip(C, R)])
+    np.testing.assert_allclose(read_points(reordered)[1], plain[1])  # other columns may hold text
+    with pytest.raises(ValueError, match=r"named.csv has no column 'cpu_hours' \(columns: step, gpu_hours, "
+                                         r"pass_rate\); pass --compute=gpu_hours$"):
+        read_points(named, compute_key="cpu_hours")  # a name given and absent is never guessed
+    two = write_csv(str(tmp_path / "two.csv"), "tokens,gpu_hours,pass_rate", [(1, 10, 0.4)])
+    with pytest.raises(ValueError, match=r"no column 'device_hours' \(columns: tokens, gpu_hours, pass_rate\); "
+                                         r"pass --compute with one of tokens, gpu_hours$"):
+        read_points(two)
+    with pytest.raises(ValueError, match=r"no column 'reward' \(columns: step, gpu_hours, pass_rate\); pass --metric"):
+        read_points(named, compute_key="gpu_hours", metric_key="reward")
+    with pytest.raises(ValueError, match="wide.csv: 3 columns and no header; add a header row"):
+        read_points(write_csv(str(tmp_path / "wide.csv"), None, [(1, 10, 0.4), (2, 20, 0.5)]))
+    with pytest.raises(ValueError, match=r"torn.csv:1: expected two numbers 'compute,pass_rate', got '10,oops'"):
+        read_points(write_csv(str(tmp_path / "torn.csv"), None, [(10, "oops"), (20, 0.5)]))  # not a header
+    with pytest.raises(ValueError, match=r"short.csv:3: expected numbers in columns 'gpu_hours' and 'pass_rate'"):
+        read_points(write_csv(str(tmp_path / "short.csv"), "step,gpu_hours,pass_rate", [(0, 0, 0.4), (1, 10)]))
+    with pytest.raises(ValueError, match=r"back.csv:4: compute decreases"):  # the checks on the values still apply
+        read_points(write_csv(str(tmp_path / "back.csv"), "gpu_hours,pass_rate", [(0, 0.4), (20, 0.5), (10, 0.6)]))
+
+
+def test_cli_csv_by_name_fits_like_a_two_column_file(tmp_path, capsys):
+    """step,gpu_hours,pass_rate with --compute gpu_hours: the same report as a headerless gpu_hours,pass_rate file
+    (same file name, so the same label)."""
+    C, R = gpu_hour_points()
+    named = write_csv(str(tmp_path / "a" / "points.csv"), "step,gpu_hours,pass_rate", zip(range(len(C)), C, R))
+    plain = write_csv(str(tmp_path / "b" / "points.csv"), None, zip(C, R))
+    assert sf.main([plain]) == 0
+    expected = capsys.readouterr().out
+    assert " 0.64" in expected and "points.csv" in expected
+    assert sf.main([named, "--compute", "gpu_hours"]) == 0
+    out = capsys.readouterr()
+    assert out.out == expected and out.err == ""
+    assert sf.main([named]) == 0  # without --compute: the one non-index column, with a note
+    out = capsys.readouterr()
+    assert out.out == expected and out.err == f"note: {named}: no column 'device_hours'; using 'gpu_hours' as compute\n"
+    ambiguous = write_csv(str(tmp_path / "c.csv"), "gpu_hours,tokens,pass_rate", [(c, 7 * c, r) for c, r in zip(C, R)])
+    for argv, msg in (([ambiguous], "no column 'device_hours' (columns: gpu_hours, tokens, pass_rate); pass --compute "
+                                    "with one of gpu_hours, tokens"),
+                      ([named, "--compute", "gpu_hours", "--metric", "acc"],
+                       "no column 'acc' (columns: step, gpu_hours, pass_rate); pass --metric=NAME")):
+        assert sf.main(argv) == 2
+        out = capsys.readouterr()
+        assert out.out == "" and out.err.startswith("error: ") and msg in out.err and out.err.count("\n") == 1
+
+
+def test_multi_run_report_skips_a_run_too_short_to_fit(tmp_path, capsys):
+    long = str(tmp_path / "long")
+    write_run(os.path.join(long, "metrics.jsonl"))
+    short = write_csv(str(tmp_path / "short.csv"), None, [(0, 0.4), (10, 0.45), (20, 0.5)])  # 2 points with C > 0
+    png = tmp_path / "curve.png"
+    assert sf.main([long, short, "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    alone = sf.analyze([long])
+    assert alone.splitlines()[1] in out.splitlines()  # the other run's fit, unchanged
+    assert "short.csv: skipped: need at least 4 points with compute > 0 in the fit window, got 2" in out.splitlines()
+    assert "\nlong: A = " in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match=f"^{short}: need at least 4 points"):  # a single run: the error, as before
+        sf.analyze([short])
+    short2 = write_csv(str(tmp_path / "short2.csv"), None, [(0, 0.4), (10, 0.45)])
+    assert sf.main([short, short2]) == 2  # no run can be fitted: one line, exit 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "short.csv: need at least" in err
+    assert "short2.csv: need at least 4 points with compute > 0 in the fit window, got 1" in err
+    flat = write_csv(str(tmp_path / "flat.csv"), None, [(c, 0.4) for c in range(6)])
+    no_r0 = write_csv(str(tmp_path / "no_r0.csv"), None, [(c, 0.4 + c / 100) for c in range(1, 6)])
+    for other, msg in ((tmp_path / "nowhere.csv", "no such file"), (no_r0, "pass --r0"),
+                       (flat, "never rises above R0")):  # other errors still end the report
+        with pytest.raises(ValueError, match=msg):
+            sf.analyze([long, str(other)])
