@@ -30,10 +30,14 @@ import contextlib
 import copy
 import difflib
 import importlib.util
+import inspect
 import json
+import math
 import os
 import platform
 import random
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -61,7 +65,10 @@ class Config:
     eval_prompts: int = 96             # held-out prompts per eval (never trained on)
     eval_samples: int = 4              # completions per held-out prompt: pass rate is mean@eval_samples
     ckpt_every: int = 50               # checkpoint every N steps (atomic) and at the end
-    resume: bool = False               # continue the run in out_dir from its checkpoint
+    resume: bool = False               # continue the run in out_dir from its checkpoint, with its own options
+    eval_only: bool = False            # evaluate out_dir's checkpoint (or --model) on the held-out prompts; no training
+    export: bool = False               # write out_dir's checkpoint as a Hugging Face model to out_dir/hf, then exit
+    tracker: str = "none"              # also log metrics to: none | tensorboard | wandb (metrics.jsonl stays the record)
     threads: int = 1                   # torch CPU threads: tiny ops run fastest on one (0: torch default)
     # model
     model: str = "tiny"                # "tiny" (a small Llama built in code, character tokenizer), or a hub name/path
@@ -71,8 +78,12 @@ class Config:
     dtype: str = "float32"             # body precision: float32 | bfloat16 (trainer autocasts; generator holds a copy)
     fp32_head: bool = True             # LM head in FP32 on generator and trainer (Sec. 3.2); off = head in body dtype
     # data
-    task: str = "arith"                # prompt source: arith | code | rg:<task> | polaris | gsm8k | deepcoder | a
-                                       # json/parquet path; several joined by "+" (arith+code), one curve per task
+    task: str = "arith"                # prompts: arith | code | rg:<task> | gsm8k | math | polaris | deepcoder | a
+                                       # .json/.jsonl/.parquet file | a cached hub dataset; "+" mixes (arith+code)
+    data_path: str = ""                # local copy (json/jsonl/parquet) of a named dataset: gsm8k, math, polaris, ...
+    prompt_key: str = ""               # the rows' question field ("": the dataset's own, else "problem")
+    answer_key: str = ""               # the rows' reference answer field ("": the dataset's own, else "answer")
+    task_options: str = ""             # JSON options of the source, e.g. '{"min_words": 5}' for an rg:<task>
     code_frac: float = 0.5             # share of code prompts per step when the task mixes code with others (Sec. 7)
     levels: str = "1,2,3,4,5"          # arith difficulty levels (terms = level + 1)
     n_train: int = 4000                # training prompts
@@ -111,8 +122,8 @@ class Config:
     warmup_steps: int = 10             # linear warm-up (paper: 100)
     weight_decay: float = 0.01         # (paper: 0.01)
     adam_eps: float = 1e-8             # (paper: 1e-15)
-    beta1: float = 0.9
-    beta2: float = 0.99
+    beta1: float = 0.9                 # AdamW beta1
+    beta2: float = 0.99                # AdamW beta2
     grad_clip: float = 1.0             # max gradient norm
     max_nonfinite: int = 3             # stop, checkpointing the last good weights, after N non-finite steps in a row
     micro_batch_tokens: int = 8192     # trainer micro-batch size in tokens (gradients accumulate exactly)
@@ -132,16 +143,30 @@ PAPER_8B = dict(model="Qwen/Qwen3-8B", task="polaris", n_train=60000, eval_promp
                 answer_budget=2048, slots=256, off_policy="pipeline", max_lag=8, decode_per_step=0, loss="cispo",
                 lr=5e-7, warmup_steps=100, adam_eps=1e-15, weight_decay=0.01, micro_batch_tokens=32768,
                 gen_share=0.8, dist_timeout=1800.0, threads=0)
+# A model from the hub or a path starts from these (not the tiny model's budgets, sized for a 1M-parameter model):
+# Qwen3-style thinking lengths cut to what one GPU generates in minutes, an LR between the paper's 5e-7 at 8B and
+# what small models take, RL straight from the model (no warm start). Ours, not the paper's (choice).
+HUB = dict(sft_steps=0, dtype="bfloat16", max_prompt=512, think_min=768, think_max=1024, answer_budget=256,
+           batch_prompts=32, group_size=8, slots=256, lr=1e-6, warmup_steps=10, adam_eps=1e-15, max_steps=200,
+           eval_every=20, ckpt_every=20, eval_prompts=256, eval_samples=4, n_train=100000, decode_per_step=0,
+           micro_batch_tokens=16384, max_lag=4, threads=0)
 PRESETS = {
     "tiny": {},
     "smoke": dict(max_steps=4, eval_every=2, eval_prompts=8, eval_samples=2, n_train=200, sft_steps=20,
                   batch_prompts=4, group_size=4, slots=16, ckpt_every=2),
+    "hub": HUB,                                                              # any --model other than tiny
+    "gsm8k_0.6b": {**HUB, "model": "Qwen/Qwen3-0.6B", "task": "gsm8k"},      # one GPU, grade-school math
+    "math_1.7b": {**HUB, "model": "Qwen/Qwen3-1.7B", "task": "math", "think_min": 1536, "think_max": 2048},
     "8b": PAPER_8B,                                                          # 48 x 16, 14k generation (Table 1)
     "8b_32k": {**PAPER_8B, "think_min": 26624, "think_max": 28672},         # 32k generation length (Table 1)
     "8b_batch2048": {**PAPER_8B, "batch_prompts": 2048, "max_steps": 1200},  # the 100k GPU-hour run (Fig. 1)
 }
+# what a resumed run (or --eval_only / --export of it) may change; every other option is the run's own
+RESUMABLE = ("out_dir", "resume", "eval_only", "export", "max_steps", "eval_every", "ckpt_every", "threads",
+             "dist_timeout", "max_nonfinite", "tracker", "dry_run", "plan_gpus")
 
 CHOICES = dict(dtype=("float32", "bfloat16"), engine=("torch", "vllm"), off_policy=("pipeline", "ppo"),
+               tracker=("none", "tensorboard", "wandb"),
                loss=tuple(losses.LOSSES), agg=("prompt", "sample", "token"), adv_norm=("batch", "prompt", "none"))
 
 
@@ -151,21 +176,40 @@ def fail(msg):
     raise SystemExit(2)
 
 
+def usage():
+    """--help: every option with its default and comment, read from Config's source (one source of truth)."""
+    lines = ["usage: python scalerl.py [--config NAME] [--key=value ...]  (the same under torchrun)", "", f"presets (--config NAME): {', '.join(PRESETS)}; a --model "
+             "other than tiny starts from the 'hub' preset", "", "options (--key=value; default, then meaning):"]
+    for line in inspect.getsource(Config).splitlines()[2:]:
+        if m := re.match(r"\s+(\w+): \w+ = (.+?)\s+# (.*)", line):
+            lines.append(f"  --{m[1]}={m[2]}".ljust(36) + m[3])
+        elif m := re.match(r"\s+# (.*)", line):
+            lines.append(" " * 36 + m[1] if line.startswith(" " * 20) else f" {m[1]}")
+    return "\n".join(lines)
+
+
 def parse_args(argv):
-    """--config NAME picks a preset; --key=value (or --key value) overrides fields; bare --flag sets a bool."""
+    """--config NAME picks a preset; --key=value (or --key value) overrides fields; bare --flag sets a bool. With
+    --resume, --eval_only or --export an existing run directory's own options (config.json) are the base."""
     kinds = {f.name: f.type for f in fields(Config)}
-    over, preset, i = {}, "tiny", 0
+    over, preset, i = {}, None, 0
     while i < len(argv):
         a = argv[i]
+        if a in ("-h", "--help"):
+            print(usage())
+            raise SystemExit(0)
         if not a.startswith("--"):
-            fail(f"unexpected argument {a!r}; options look like --key=value")
+            fail(f"unexpected argument {a!r}; options look like --key=value (see --help)")
         key, eq, val = a[2:].partition("=")
         key = key.replace("-", "_")
+        if key not in kinds and key != "config":
+            near = difflib.get_close_matches(key, kinds, n=1)
+            fail(f"unknown option --{key}" + (f"; did you mean --{near[0]}?" if near else "; see --help"))
         if not eq and kinds.get(key) is bool and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
             eq, val, i = "=", argv[i + 1], i + 1  # --flag false
         elif not eq and kinds.get(key) is not bool:
             if i + 1 >= len(argv):
-                fail(f"--{key} needs a value")
+                fail(f"--{key} needs a value (see --help)")
             val, i = argv[i + 1], i + 1
         i += 1
         if key == "config":
@@ -173,13 +217,31 @@ def parse_args(argv):
                 fail(f"unknown preset {val!r}; choose one of: {', '.join(PRESETS)}")
             preset = val
             continue
-        if key not in kinds:
-            near = difflib.get_close_matches(key, kinds, n=1)
-            fail(f"unknown option --{key}" + (f"; did you mean --{near[0]}?" if near else "; see Config in scalerl.py"))
         over[key] = True if not eq and kinds[key] is bool else cast(key, val, kinds[key])
-    cfg = Config(**{**PRESETS[preset], **over})
+    model = over.get("model", PRESETS[preset or "tiny"].get("model", "tiny"))
+    base = PRESETS[preset or ("tiny" if model == "tiny" else "hub")]  # tiny budgets never reach a real model
+    cfg = Config(**{**base, **over})
+    saved = os.path.join(cfg.out_dir, "config.json")
+    if (cfg.resume or cfg.eval_only or cfg.export) and os.path.exists(saved):
+        cfg = restore_options(cfg, saved, {**(PRESETS[preset] if preset else {}), **over})
     validate(cfg)
     return cfg
+
+
+def restore_options(cfg, path, given):
+    """The run's own options from its config.json; of those given on the command line, only the ones a run may
+    change midway are taken (RESUMABLE); another that differs from the run's value is refused in one line."""
+    try:
+        with open(path) as f:
+            saved = {k: v for k, v in json.load(f)["config"].items() if k in asdict(cfg)}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        fail(f"{path} is unreadable ({type(e).__name__}); restore it, or start a fresh --out_dir")
+    for key, val in given.items():
+        if key not in RESUMABLE and key in saved and saved[key] != val:
+            fail(f"--{key}={val} does not fit this run (it was started with {saved[key]!r}, {path}); a resumed run "
+                 f"may change only {', '.join('--' + k for k in RESUMABLE if k != 'out_dir')}; start a fresh "
+                 "--out_dir to change it")
+    return Config(**{**saved, **{k: v for k, v in given.items() if k in RESUMABLE}, "out_dir": cfg.out_dir})
 
 
 def cast(key, val, kind):
@@ -227,6 +289,12 @@ def validate(cfg):
         fail(f"--levels={cfg.levels!r} must be comma-separated integers >= 1, e.g. 1,2,3,4,5")
     if not 0 < cfg.npr_threshold <= 1 or not 0 <= cfg.sft_error_rate < 1:
         fail("--npr_threshold must be in (0, 1] and --sft_error_rate in [0, 1)")
+    try:
+        assert isinstance(json.loads(cfg.task_options or "{}"), dict)
+    except (ValueError, AssertionError):
+        fail(f"--task_options={cfg.task_options!r} is not a JSON object; write it like '{{\"min_words\": 5}}'")
+    if cfg.tracker != "none" and importlib.util.find_spec(cfg.tracker) is None:
+        fail(f"--tracker={cfg.tracker} needs the {cfg.tracker} package: pip install {cfg.tracker}")
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The recipe: set up, then one loop that is the same for one process and for every trainer rank under torchrun
@@ -239,6 +307,8 @@ def main(cfg):
     t_start = time.time()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if cfg.eval_only or cfg.export:
+        return evaluate_or_export(cfg)
     job, ckpt, resume_point = start(cfg)  # roles, the checkpoint (rank 0), where the run resumes (every rank)
     random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
     train, val, tasks = load_data(cfg)
@@ -271,10 +341,7 @@ def main(cfg):
     if job.rank == 0:  # held-out prompts, built once through the same guard as training prompts (before sharding)
         eval_engine = make_engine(cfg, model, tok, cfg.seed + 1)
         scorer = rollouts if job.world == 1 else pipeline_rl.Rollouts(eval_engine, None, tok, cfg.max_prompt)
-        held_out = [t for i, p in enumerate(val) if (t := scorer.template(p, -1 - i))]
-        if not held_out:
-            fail(f"none of the {len(val)} held-out prompts could be built (see the warnings); check --task and "
-                 "--max_prompt")
+        held_out = held_out_templates(scorer, val)
     body_dtype = getattr(torch, cfg.dtype)  # fp32 master weights; the body autocasts when dtype is lower
     head_dtype = torch.float32 if cfg.fp32_head else body_dtype  # the FP32 head (Sec. 3.2)
     policy = trainer.Policy(model, cfg.temperature, body_dtype, head_dtype, tok.pad_token_id)
@@ -287,13 +354,13 @@ def main(cfg):
         else pipeline_rl.TrainerLink(job, k=cfg.max_lag, batch_prompts=cfg.batch_prompts)
     step, clock = restore_trainer(cfg, ckpt, resume_point, job, policy, opt, source, rollouts)
     if job.rank == 0:
-        log = open_log(cfg, job, step, n_params)
+        log = open_log(cfg, job, step, n_params, tok)
         describe(cfg, job, n_params, len(train), len(val))
     task_of = {p.id: p.task for p in train} if len(tasks) > 1 else {}
 
     def evaluate_now(weights):  # held-out pass rate, logged (rank 0), not on the compute axis
         eval_engine.load_weights(weights, source.version)
-        pr = evaluate(eval_engine, scorer, held_out, cfg.eval_samples, cfg.seed + 7919 * step, tasks)
+        pr = evaluate(eval_engine, scorer, held_out, cfg.eval_samples, cfg.seed + 7919 * step, tasks, step == 0)
         log(dict(step=step, **clock, **pr, eval=True))
         return f"held-out pass rate {pr['pass_rate']:.3f}{per_task(pr, 'pass_rate', tasks)}"
 
@@ -304,7 +371,7 @@ def main(cfg):
         if job.rank == 0:
             print(f"step    0 | {evaluate_now(weights)} (before RL: R0)")
             save_checkpoint(ckpt_path, weights, opt_state, step, clock, source, job, rollouts)
-    t_loop, first, eval_s, bad_run = time.time(), step, 0.0, 0  # bad_run: non-finite steps in a row
+    t_loop, first, eval_s, bad_run, idle = time.time(), step, 0.0, 0, 0  # bad_run, idle: steps in a row
     while step < cfg.max_steps:
         t0, c0, gen0 = time.time(), time.process_time(), source.totals()
         batch = source.next_batch()  # B groups, scored, zero-variance filtered (Sec. 3.2)
@@ -324,6 +391,9 @@ def main(cfg):
             row = metrics_row(step, clock, batch, stats, source.totals(), gen0, dt, t_train,
                               max(len(job.generators), 1), source, task_of)
             log(row)
+            idle = idle + 1 if row["zero_var_frac"] == 1 else 0  # no group with a learning signal
+            if idle == NO_SIGNAL_STEPS:
+                print(no_signal(row, cfg), flush=True)
             eta = (time.time() - t_loop - eval_s) / (step - first) * (cfg.max_steps - step)
             line = progress_line(row, cfg.max_steps, eta, tasks)
             if not stats["finite"]:
@@ -338,6 +408,8 @@ def main(cfg):
         if bad_run >= cfg.max_nonfinite:
             break
     source.close()
+    if job.rank == 0:
+        print(f"policy at step {step} written to {export_hf(cfg, model, tok, weights)} (from_pretrained, vLLM)")
     pipeline_rl.dist_cleanup(job)
     if job.rank == 0:
         finish(cfg, step, bad_run, tasks, t_start)
@@ -352,11 +424,14 @@ def load_data(cfg):
     the held-out and training prompts, and each task its own curve (Sec. 7)."""
     levels = tuple(int(x) for x in cfg.levels.split(","))
     sources = cfg.task.split("+")
+    given = dict(data_path=cfg.data_path, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key)
+    options = {k: v for k, v in given.items() if v}  # for datasets; the built-in tasks take levels
+    options.update(json.loads(cfg.task_options or "{}"))
     try:
         train, val = data.combine([data.load_problems(
             src, n_val=max(1, cfg.eval_prompts // len(sources)), seed=cfg.seed,
-            n_train=max(1, cfg.n_train // len(sources)), **(dict(levels=levels) if src == "arith" else {}))
-            for src in sources])
+            n_train=max(1, cfg.n_train // len(sources)),
+            **(dict(levels=levels) if src == "arith" else {} if src == "code" else options)) for src in sources])
     except ValueError as e:
         fail(str(e))
     if cfg.model == "tiny" and not set(sources) <= {"arith", "code"}:
@@ -388,12 +463,27 @@ def load_model(cfg, tasks):
         tok = data.char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=" + ("code" in tasks) * data.CODE_CHARS)
         return build_model(cfg, len(tok)), tok
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    t0 = time.time()
+    print0(f"loading {cfg.model} ...", flush=True)
     try:
         tok = AutoTokenizer.from_pretrained(cfg.model)
-        return AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32), tok
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
     except (OSError, ValueError) as e:  # a hub name offline or unknown, or a path without a model
         fail(f"cannot load --model={cfg.model}: {pipeline_rl.first_line(e)}; pass a local path, or go online "
              "once so the hub copy is cached")
+    if tok.eos_token_id is None:
+        fail(f"the tokenizer of --model={cfg.model} has no end-of-sequence token; set eos_token in its config")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token  # padding is masked out of the loss: any id will do
+    missing = [t for t in (data.THINK_OPEN, data.THINK_CLOSE) if len(data.encode(tok, t)) != 1]
+    if missing:  # stop rules and the interruption match these tokens exactly; new rows start at the mean embedding
+        tok.add_tokens(missing)
+        if len(tok) > model.get_input_embeddings().weight.shape[0]:
+            model.resize_token_embeddings(len(tok), mean_resizing=True)
+        print0(f"note: {' and '.join(missing)} added to the tokenizer of {cfg.model} as single tokens (vocabulary "
+               f"{len(tok)}), so the thinking close and the interruption phrase are exact")
+    print0(f"loaded {cfg.model} in {time.time() - t0:.0f}s")
+    return model, tok
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -410,7 +500,8 @@ def make_engine(cfg, model, tok, seed, device=None):
             copy.deepcopy(model, cast).to(device, dtype), slots=cfg.slots, max_prompt=cfg.max_prompt,
             think_budget=(cfg.think_min, cfg.think_max), answer_budget=cfg.answer_budget, eos_id=tok.eos_token_id,
             think_close_ids=data.encode(tok, data.THINK_CLOSE), temperature=cfg.temperature,
-            interrupt_ids=data.encode(tok, data.INTERRUPT_PHRASE) if cfg.interrupt else None,
+            interrupt_ids=data.encode(tok, data.INTERRUPT_PHRASE.removesuffix(data.THINK_CLOSE))
+            + data.encode(tok, data.THINK_CLOSE) if cfg.interrupt else None,
             head_dtype=torch.float32 if cfg.fp32_head else dtype, seed=seed)
     except ImportError as e:  # vllm not installed (or a broken install)
         fail(f"--engine vllm needs vLLM: pip install -r requirements-vllm.txt ({pipeline_rl.first_line(e)})")
@@ -418,20 +509,85 @@ def make_engine(cfg, model, tok, seed, device=None):
         fail(str(e))
 
 
-def evaluate(engine, scorer, templates, n, seed, tasks=()):
+def evaluate(engine, scorer, templates, n, seed, tasks=(), progress=False):
     """mean@n pass rate on the held-out `templates` with the engine's current weights (not on the compute axis,
-    Sec. 2.1); with several tasks also pass_rate_<task>, one curve each (Sec. 7). `scorer` is a Rollouts."""
+    Sec. 2.1); with several tasks also pass_rate_<task>, one curve each (Sec. 7). `scorer` is a Rollouts. The result
+    depends on the weights and `seed` only (sampling and thinking budgets are re-seeded)."""
     engine.rng.manual_seed(seed)
-    groups = engine.generate(templates, n)
+    engine.budget_rng.seed(seed)
+    for t in templates:
+        engine.add(t, n)
+    finished, t0, shown = {}, time.time(), time.time()
+    while engine.busy:
+        for g in engine.step():
+            finished[g[0].group] = g
+        if progress and time.time() - shown > 30:  # long evaluations (1,000 prompts x 16 at 14k tokens) show progress
+            shown, left = time.time(), len(templates) - len(finished)
+            print0(f"  evaluating: {len(finished)}/{len(templates)} prompts done, eta "
+                   f"{(shown - t0) / max(len(finished), 1) * left / 60:.1f}m", flush=True)
+    groups = [finished[t.group] for t in templates]
     scorer.score(groups)
     samples = [s for g in groups for s in g]
     passed = np.array([s.reward for s in samples]) > 0
-    out = dict(pass_rate=float(passed.mean()))
+    out = dict(pass_rate=float(passed.mean()), eval_len=float(np.mean([len(s.tokens) for s in samples])))
     for t in tasks if len(tasks) > 1 else []:
         mine = passed[[s.meta.task == t for s in samples]]
         if mine.size:
             out[f"pass_rate_{t}"] = float(mine.mean())
     return out
+
+
+def held_out_templates(scorer, val):
+    """The held-out prompts as group templates, built once through the same guard as training prompts."""
+    templates = [t for i, p in enumerate(val) if (t := scorer.template(p, -1 - i))]
+    if not templates:
+        fail(f"none of the {len(val)} held-out prompts could be built (see the warnings); check --task and "
+             "--max_prompt")
+    return templates
+
+
+def evaluate_or_export(cfg):
+    """--eval_only and --export, in one process: the weights of out_dir's checkpoint (with the run's own options), or
+    else --model's own (an exported hf/ directory, say). --eval_only prints the held-out pass rate and appends it to
+    out_dir/evals.jsonl; the seed is the one the run's evaluation at that step used, so the numbers agree."""
+    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
+    ckpt = load_checkpoint(ckpt_path) if os.path.exists(ckpt_path) else None
+    if cfg.export and not ckpt:
+        fail(f"--export: no checkpoint at {ckpt_path}; pass the --out_dir of a run")
+    train, val, tasks = load_data(cfg)
+    model, tok = load_model(cfg, tasks)
+    if ckpt:
+        with fits(ckpt_path):
+            model.load_state_dict(ckpt["model"])
+    if cfg.export:
+        return print(f"policy at step {ckpt['step']} written to {export_hf(cfg, model, tok, model.state_dict())}")
+    model.to("cuda" if torch.cuda.is_available() else "cpu")
+    step, engine = ckpt["step"] if ckpt else 0, make_engine(cfg, model, tok, cfg.seed + 1)
+    scorer = pipeline_rl.Rollouts(engine, None, tok, cfg.max_prompt)
+    t0 = time.time()
+    pr = evaluate(engine, scorer, held_out_templates(scorer, val), cfg.eval_samples, cfg.seed + 7919 * step, tasks,
+                  progress=True)
+    row = dict(step=step, model=cfg.model if not ckpt else ckpt_path, **pr, eval_samples=cfg.eval_samples,
+               time=time.strftime("%Y-%m-%d %H:%M:%S"))
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    with open(os.path.join(cfg.out_dir, "evals.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+    print(f"held-out pass rate {pr['pass_rate']:.3f}{per_task(pr, 'pass_rate', tasks)} (mean@{cfg.eval_samples}, "
+          f"{len(val)} prompts, step {step}) in {time.time() - t0:.0f}s; appended to {cfg.out_dir}/evals.jsonl")
+
+
+def export_hf(cfg, model, tok, weights):
+    """The policy as a Hugging Face model directory, out_dir/hf: safetensors weights in the body dtype, config and
+    tokenizer (chat template included), for `from_pretrained` and vLLM. Written beside the old one, then swapped in."""
+    from transformers.utils import logging
+    logging.disable_progress_bar()
+    path = os.path.join(cfg.out_dir, "hf")
+    shutil.rmtree(path + ".tmp", ignore_errors=True)
+    model.save_pretrained(path + ".tmp", state_dict={k: v.to(getattr(torch, cfg.dtype)) for k, v in weights.items()})
+    tok.save_pretrained(path + ".tmp")
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(path + ".tmp", path)
+    return path
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Run directory: config.json, metrics.jsonl (append-only, flushed per line), ckpt.pt (atomic)
@@ -488,12 +644,13 @@ def read_metrics(path, upto_step):
     return rows
 
 
-def open_log(cfg, job, step, n_params):
-    """The run's record: config.json (config, versions, git hash, ranks) and metrics.jsonl, cut back to `step` (rows
-    logged after the checkpoint are dropped, so a resumed log continues seamlessly); returns a row writer."""
+def open_log(cfg, job, step, n_params, tok):
+    """The run's record: config.json (the options, versions, git hash, ranks, and a history entry per start or
+    resume) and metrics.jsonl, cut back to `step` (rows logged after the checkpoint are dropped, so a resumed log
+    continues seamlessly); returns a row writer (which also feeds --tracker)."""
     os.makedirs(cfg.out_dir, exist_ok=True)
-    path = os.path.join(cfg.out_dir, "metrics.jsonl")
-    rows = read_metrics(path, step)
+    path, meta_path = os.path.join(cfg.out_dir, "metrics.jsonl"), os.path.join(cfg.out_dir, "config.json")
+    rows = read_metrics(path, step) if cfg.resume else []  # a fresh start over a failed one starts a fresh log
     with open(path + ".tmp", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     os.replace(path + ".tmp", path)
@@ -505,12 +662,39 @@ def open_log(cfg, job, step, n_params):
     with contextlib.suppress(Exception):  # no git is fine: the hash is informational
         git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
-    meta = dict(config=asdict(cfg), versions=versions, git=git, n_params=n_params,
-                ranks=dict(trainers=job.trainers, generators=job.generators))
-    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+    history = []
+    if cfg.resume:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            history = json.load(open(meta_path))["history"]
+    history.append(dict(step=step, time=time.strftime("%Y-%m-%d %H:%M:%S"), argv=sys.argv[1:], git=git))
+    meta = dict(config=asdict(cfg), versions=versions, git=git, n_params=n_params, vocab=len(tok),
+                ranks=dict(trainers=job.trainers, generators=job.generators), history=history)
+    with open(meta_path + ".tmp", "w") as f:
         json.dump(meta, f, indent=1)
-    log = open(path, "a", buffering=1)
-    return lambda row: log.write(json.dumps(row) + "\n")
+    os.replace(meta_path + ".tmp", meta_path)
+    log, track = open(path, "a", buffering=1), tracker(cfg)
+    return lambda row: (log.write(json.dumps(row) + "\n"), track(row))
+
+
+def tracker(cfg):
+    """--tracker: every metrics row also goes to TensorBoard (out_dir/tensorboard) or Weights & Biases (project
+    "scalerl", the run named after out_dir). Optional and off by default: metrics.jsonl stays the record."""
+    numbers = lambda row: {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}  # noqa: E731
+    if cfg.tracker == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"), flush_secs=10)
+
+        def write(row):
+            for key, value in numbers(row).items():
+                writer.add_scalar(key, value, row["step"])
+            writer.flush()
+        return write
+    if cfg.tracker == "wandb":
+        import wandb
+        run = wandb.init(project="scalerl", name=os.path.basename(os.path.normpath(cfg.out_dir)), config=asdict(cfg),
+                         dir=cfg.out_dir, resume="allow", id=re.sub(r"\W", "-", os.path.abspath(cfg.out_dir))[-64:])
+        return lambda row: run.log(numbers(row), step=row["step"])
+    return lambda row: None
 
 
 def metrics_row(step, clock, batch, stats, gen, gen0, dt, t_train, n_gen, source, task_of):
@@ -557,6 +741,22 @@ def progress_line(row, max_steps, eta, tasks):
             f"{eta / 60:.1f}m")
 
 
+NO_SIGNAL_STEPS = 5  # steps in a row without a group to learn from before the run says so
+
+
+def no_signal(row, cfg):
+    """The warning for a run that learns nothing: every group of the last NO_SIGNAL_STEPS steps had equal rewards."""
+    if row["trunc_rate"] > 0.5:
+        why = (f"{row['trunc_rate']:.0%} of completions hit the length budget (--think_max={cfg.think_max}, "
+               f"--answer_budget={cfg.answer_budget}): raise them, or check that the model closes its thinking")
+    elif row["reward"] < 0:
+        why = ("every completion failed: check that the model writes its answer after </think> in the form the task's "
+               "checker reads (data.reward), and the dataset's answers (--answer_key)")
+    else:
+        why = "every completion passed: the prompts are too easy for this model; pick a harder --task"
+    return f"warning: no learning signal for {NO_SIGNAL_STEPS} steps (every group zero-variance): {why}"
+
+
 def describe(cfg, job, n_params, n_train, n_val):
     """The numbers that matter, printed at start-up."""
     B, G, k = cfg.batch_prompts, cfg.group_size, cfg.max_lag
@@ -579,10 +779,13 @@ def start(cfg):
     dropped as stale) shared with every rank. Returns (Dist, checkpoint on rank 0 or None, resume point or None)."""
     metrics_path, ckpt_path = os.path.join(cfg.out_dir, "metrics.jsonl"), os.path.join(cfg.out_dir, "ckpt.pt")
     rank0 = int(os.environ.get("RANK", 0)) == 0  # the run directory and ckpt.pt live on rank 0's node
-    if rank0 and os.path.exists(metrics_path) and not cfg.resume:
-        fail(f"run directory {cfg.out_dir} already holds a run; pass --resume to continue it or pick another --out_dir")
+    trained = rank0 and any(r["step"] > 0 for r in read_metrics(metrics_path, math.inf))
+    if rank0 and not cfg.resume and (os.path.exists(ckpt_path) or trained):
+        fail(f"run directory {cfg.out_dir} already holds a run; pass --resume to continue it, pick another --out_dir, "
+             f"or delete {cfg.out_dir} to start afresh")
     if rank0 and cfg.resume and not os.path.exists(ckpt_path):
-        fail(f"--resume: no checkpoint at {ckpt_path}; start a fresh run without --resume")
+        fail(f"--resume: no checkpoint at {ckpt_path}" + (f" (delete {cfg.out_dir}: its rows cannot be continued)"
+             if trained else "") + "; start a fresh run without --resume")
     ckpt = load_checkpoint(ckpt_path) if cfg.resume and rank0 else None
     try:
         job = pipeline_rl.dist_init(cfg.gen_ranks, cfg.dist_timeout, cfg.gen_share)  # world 1: one process does all

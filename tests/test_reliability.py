@@ -181,8 +181,9 @@ BAD_RUNS = [  # (name, run dir to use, extra argv, text the error line must cont
     ("zero max_nonfinite", "run", ["--max_nonfinite=0"], "--max_nonfinite"),
     ("stray word", "run", ["resume"], "unexpected argument"),
     ("existing dir without --resume", "run", [], "pass --resume"),
-    ("missing dataset", "run", ["--resume", "--task=/nonexistent/prompts.jsonl"], "does not exist"),
-    ("hub name offline", "run", ["--resume", "--model=no-such-org/no-such-model"], "cannot load --model"),
+    ("another dataset", "run", ["--resume", "--task=/nonexistent/prompts.jsonl"], "--task=/nonexistent/prompts.jsonl "
+     "does not fit this run"),
+    ("another model", "run", ["--resume", "--model=no-such-org/no-such-model"], "does not fit this run"),
     ("model shape differs", "run", ["--resume", "--n_embd=64", "--sft_steps=0"], "does not fit this run"),
     ("no checkpoint", "no_ckpt", ["--resume"], "no checkpoint"),
     ("corrupt checkpoint", "garbage", ["--resume"], "unreadable"),
