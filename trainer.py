@@ -192,7 +192,9 @@ def warm_start(cfg, model, tok, out_root):
         loss.backward()
         opt.step()
         if it % 100 == 0 or it == cfg.sft_steps - 1:
-            print(f"warm start {it:4d}/{cfg.sft_steps} | loss {loss.item():.3f} | {time.time() - t0:.0f}s")
+            eta = (time.time() - t0) / (it + 1) * (cfg.sft_steps - it - 1)
+            print(f"warm start {it:4d}/{cfg.sft_steps} | loss {loss.item():.3f} | {time.time() - t0:.0f}s | eta "
+                  f"{eta / 60:.1f}m", flush=True)
     model.zero_grad(set_to_none=True)  # else the last SFT gradient would leak into the first RL step's
     os.makedirs(os.path.dirname(path), exist_ok=True)
     torch.save(model.state_dict(), path + ".tmp")

@@ -244,6 +244,19 @@ def test_resume_without_checkpoint_refused(runs):
     assert "checkpoint" in line and str(out) in line
     assert os.listdir(out) == []
 
+@pytest.mark.slow
+def test_failed_start_folder(runs, smoke_run):
+    """A folder whose run stopped before its first checkpoint (here: an empty log and a config, as a kill during the
+    step-0 evaluation leaves it) cannot be resumed, and starts afresh without --resume."""
+    out = runs / "failed_start"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("")
+    (out / "config.json").write_text(json.dumps(dict(config=asdict(scalerl.parse_args(["--config", "smoke"])))))
+    assert "no checkpoint" in one_line_error(run(f"--out_dir={out}", "--resume"))
+    p = run(f"--out_dir={out}", "--max_steps=2")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "eval" not in r] == [1, 2]
+
 # ---------------------------------------------------------------------------------------------------------------------
 # 5. Bad task sources
 
