@@ -147,9 +147,9 @@ PAPER_8B = dict(model="Qwen/Qwen3-8B", task="polaris", n_train=60000, eval_promp
 # Qwen3-style thinking lengths cut to what one GPU generates in minutes, an LR between the paper's 5e-7 at 8B and
 # what small models take, RL straight from the model (no warm start). Ours, not the paper's (choice).
 HUB = dict(sft_steps=0, dtype="bfloat16", max_prompt=512, think_min=768, think_max=1024, answer_budget=256,
-           batch_prompts=32, group_size=8, slots=256, lr=1e-6, warmup_steps=10, adam_eps=1e-15, max_steps=200,
+           batch_prompts=32, group_size=8, slots=64, lr=1e-6, warmup_steps=10, adam_eps=1e-15, max_steps=200,
            eval_every=20, ckpt_every=20, eval_prompts=256, eval_samples=4, n_train=100000, decode_per_step=0,
-           micro_batch_tokens=16384, max_lag=4, threads=0)
+           micro_batch_tokens=16384, max_lag=4, threads=0, plan_gpus=1)
 PRESETS = {
     "tiny": {},
     "smoke": dict(max_steps=4, eval_every=2, eval_prompts=8, eval_samples=2, n_train=200, sft_steps=20,
@@ -178,8 +178,9 @@ def fail(msg):
 
 def usage():
     """--help: every option with its default and comment, read from Config's source (one source of truth)."""
-    lines = ["usage: python scalerl.py [--config NAME] [--key=value ...]  (the same under torchrun)", "", f"presets (--config NAME): {', '.join(PRESETS)}; a --model "
-             "other than tiny starts from the 'hub' preset", "", "options (--key=value; default, then meaning):"]
+    lines = ["usage: python scalerl.py [--config NAME] [--key=value ...]  (the same under torchrun)", "",
+             f"presets (--config NAME): {', '.join(PRESETS)}; a --model other than tiny starts from 'hub'", "",
+             "options (--key=value; default, then meaning):"]
     for line in inspect.getsource(Config).splitlines()[2:]:
         if m := re.match(r"\s+(\w+): \w+ = (.+?)\s+# (.*)", line):
             lines.append(f"  --{m[1]}={m[2]}".ljust(36) + m[3])

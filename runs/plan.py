@@ -12,7 +12,9 @@ import pipeline_rl
 
 # Shapes of hub models a plan may name while offline (their config.json values): layers, hidden, MLP, q heads,
 # kv heads, head dim, vocabulary, tied embeddings.
-KNOWN_SHAPES = {"Qwen/Qwen3-8B": (36, 4096, 12288, 32, 8, 128, 151936, False)}
+KNOWN_SHAPES = {"Qwen/Qwen3-8B": (36, 4096, 12288, 32, 8, 128, 151936, False),
+                "Qwen/Qwen3-0.6B": (28, 1024, 3072, 16, 8, 128, 151936, True),
+                "Qwen/Qwen3-1.7B": (28, 2048, 6144, 16, 8, 128, 151936, True)}
 
 
 def plan(cfg):
