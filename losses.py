@@ -1,40 +1,31 @@
 """The ScaleRL objective and its peers as plain tensor functions: advantages, per-token policy losses,
 aggregation, FP32-head token logprobs and the diagnostics a trainer logs.
 
-Vanilla policy gradient (REINFORCE) minimises `-r * log pi(y_t)` on samples from the current policy. Each
-piece here changes one thing about that (paper sections in brackets):
-
-1. Advantage (Sec. 3.2): subtract the mean reward of the prompt's group of G completions, `A_i = r_i - mean`;
-   then divide by the std of all A_i in the batch (ScaleRL), by the prompt's own std (GRPO) or by nothing
-   (Dr. GRPO). A group whose completions all got the same reward has A = 0: it carries no signal.
-2. Importance ratio (Sec. 3.1): tokens come from the generator, which lags the trainer (PipelineRL) and
-   computes in other kernels, so every loss reweights by `rho = pi_train(y_t) / pi_gen(y_t)`, taken against
-   the generator's own logprob of the token.
-3. CISPO (Sec. 3.2): REINFORCE weighted by `sg(min(rho, eps_max))`. The weight is a constant (stop-gradient),
-   capped from above only, so no token ever loses its gradient; a huge ratio just stops growing. eps_max = 4
-   (the paper saw no difference between 4, 5 and 8).
-4. PPO clipping (DAPO, GRPO; Sec. 3.2): the surrogate `rho * A` is clipped to `[1 - eps_low, 1 + eps_high]`;
-   a token whose ratio left that range in the direction the advantage pushes gets zero gradient. DAPO
-   raises the upper bound (0.2 / 0.28, "clip-higher"); GRPO is symmetric (0.2 / 0.2). No dual clip, no KL.
-5. GSPO (Sec. 3.2): one ratio per sequence, the geometric mean of its token ratios, clipped PPO-style with
-   tiny ranges (3e-3 / 5e-3 worked for the paper; GSPO's own 3e-4 / 4e-4 did not).
-6. Aggregation (Sec. 3.2): how token losses become one number. Prompt average (ScaleRL: each prompt counts
-   once, its tokens share its weight), sample average (GRPO), token average (DAPO).
+REINFORCE minimises `-r * log pi(y_t)` on samples from the current policy. Each piece here changes one thing about it:
+1. Advantage (Sec. 3.2): `A_i = r_i - mean` over the prompt's G completions, divided by the std of all A_i in the
+   batch (ScaleRL), the prompt's own std (GRPO) or nothing (Dr. GRPO). Equal rewards in a group: A = 0, no signal.
+2. Importance ratio (Sec. 3.1): tokens come from the generator, which lags the trainer (PipelineRL) and runs other
+   kernels, so every loss reweights by `rho = pi_train(y_t) / pi_gen(y_t)`, with the generator's own logprob.
+3. CISPO (Sec. 3.2): REINFORCE weighted by `sg(min(rho, eps_max))`, a constant capped from above only: no token
+   loses its gradient, a huge ratio just stops growing. eps_max = 4 (the paper saw 4, 5 and 8 tie).
+4. PPO clipping (DAPO, GRPO; Sec. 3.2): `rho * A` clipped to `[1 - eps_low, 1 + eps_high]`, no dual clip, no KL: a token
+   whose ratio left that range the way A pushes gets zero gradient. DAPO: 0.2 / 0.28 ("clip-higher"); GRPO: 0.2 / 0.2.
+5. GSPO (Sec. 3.2): one ratio per sequence, the geometric mean of its token ratios, clipped PPO-style with tiny
+   ranges (3e-3 / 5e-3 worked for the paper; GSPO's own 3e-4 / 4e-4 did not).
+6. Aggregation (Sec. 3.2): how token losses become one number. Prompt average (ScaleRL: each prompt counts once,
+   its tokens share its weight), sample average (GRPO), token average (DAPO).
 7. FP32 head (Sec. 3.2, Fig. 5b): float32 logits on both generator (`head_logits`) and trainer (`head_logprobs`),
    logprobs after the sampling temperature; it lifted the asymptote from 0.52 to 0.61 by removing a ratio bias.
 
 ScaleRL = CISPO + prompt aggregation + batch advantage normalisation + zero-variance filtering +
-No-Positive-Resampling + FP32 head. Filtering and resampling act on prompts and live in data.py: pass only
-the kept groups here, or zero the mask of dropped ones (a group without loss tokens is not counted).
-
-Run the tests with `python -m pytest tests/test_losses.py -q`, the memory benchmark of the chunked FP32 head
-with `python bench/token_logprobs.py`.
+No-Positive-Resampling + FP32 head. Filtering and resampling act on prompts and live in data.py: pass only the
+kept groups here, or zero the mask of dropped ones (a group without loss tokens is not counted). Tests:
+`python -m pytest tests/test_losses.py -q`; the chunked FP32 head's memory: `python bench/token_logprobs.py`.
 """
 import torch
 
+
 # ----------------------------------------------------------------------------- advantages (Sec. 3.2)
-
-
 def group_advantages(rewards, group, norm="batch", eps=1e-6):
     """(B,) advantages from (B,) rewards and (B,) integer prompt ids (any values, any order)."""
     if rewards.dim() != 1 or group.shape != rewards.shape:
@@ -62,8 +53,6 @@ def group_advantages(rewards, group, norm="batch", eps=1e-6):
 
 
 # ----------------------------------------------------------------------------- per-token losses (Sec. 3.2)
-
-
 def _per_token(adv, logp):
     """Advantages as (B, T): a (B,) sequence advantage is broadcast over its tokens."""
     if adv.dim() == 1 and adv.shape[0] == logp.shape[0]:
@@ -94,9 +83,8 @@ def _seq_log_ratio(logp, gen_logp, mask):
 
 
 def gspo(logp, gen_logp, adv, mask, eps_low=3e-3, eps_high=5e-3):
-    """GSPO in token form, (B, T): s_it = sg(s_i) * pi/sg(pi) has the value of the sequence ratio s_i and
-    the gradient s_i * grad log pi(y_t); with a per-sequence A and sample aggregation this is exactly
-    sequence-level GSPO (tested)."""
+    """GSPO in token form, (B, T): s_it = sg(s_i) * pi/sg(pi) has the value of the sequence ratio s_i and the gradient
+    s_i * grad log pi(y_t); with a per-sequence A and sample aggregation it is sequence-level GSPO exactly (tested)."""
     log_s = _seq_log_ratio(logp, gen_logp, mask).detach()  # (B,)
     s = torch.exp(log_s[:, None] + logp - logp.detach())  # (B, T)
     a = _per_token(adv, logp)
@@ -104,12 +92,10 @@ def gspo(logp, gen_logp, adv, mask, eps_low=3e-3, eps_high=5e-3):
 
 
 # ----------------------------------------------------------------------------- aggregation (Sec. 3.2)
-
-
 def aggregation_weights(mask, group, how="prompt", dtype=None):
-    """(B, T) weights w with aggregate = (per_token * w).sum(). Computed once on the whole batch, they can
-    be sliced to micro-batches and the sliced sums add up to the full loss exactly. Completions (prompts)
-    without loss tokens contribute nothing and are not counted."""
+    """(B, T) weights w with aggregate = (per_token * w).sum(). Computed once on the whole batch and sliced to
+    micro-batches, the sliced sums add up to the full loss exactly. Completions (prompts) without loss tokens
+    contribute nothing and are not counted."""
     if how not in ("prompt", "sample", "token"):
         raise ValueError(f"how must be one of 'prompt', 'sample', 'token'; got {how!r}")
     if mask.dim() != 2 or group.shape != mask.shape[:1]:
@@ -134,19 +120,13 @@ def aggregate(per_token, mask, group, how="prompt"):
 
 
 # ----------------------------------------------------------------------------- registry and entry point
-
 DEFAULTS = {  # name -> the paper's options for that loss; policy_loss's keyword arguments override them
     "cispo": dict(eps_max=4.0),  # Sec. 3.2: the truncation cap; 4, 5 and 8 tied
     "dapo": dict(eps_low=0.2, eps_high=0.28),  # Sec. 3.2: DAPO's clip-higher range
     "grpo": dict(eps_low=0.2, eps_high=0.2),  # Sec. 3.2: symmetric PPO clipping
     "gspo": dict(eps_low=3e-3, eps_high=5e-3),  # Sec. 3.2: on the sequence ratio (GSPO's own 3e-4 / 4e-4 failed)
 }
-LOSSES = {  # name -> per-token loss (B, T) of (logp, gen_logp, adv, mask, **DEFAULTS[name])
-    "cispo": lambda lp, gen, adv, mask, eps_max: cispo(lp, gen, adv, eps_max),
-    "dapo": lambda lp, gen, adv, mask, eps_low, eps_high: ppo_clip(lp, gen, adv, eps_low, eps_high),
-    "grpo": lambda lp, gen, adv, mask, eps_low, eps_high: ppo_clip(lp, gen, adv, eps_low, eps_high),
-    "gspo": gspo,
-}
+LOSSES = {"cispo": cispo, "dapo": ppo_clip, "grpo": ppo_clip, "gspo": gspo}  # (B, T) losses; gspo takes the mask too
 
 
 def policy_loss(logp, gen_logp, adv, mask, weights, loss="cispo", **kw):
@@ -162,7 +142,7 @@ def policy_loss(logp, gen_logp, adv, mask, weights, loss="cispo", **kw):
         shapes = [tuple(x.shape) for x in (logp, gen_logp, mask, weights)]
         raise ValueError(f"logp, gen_logp, mask, weights must all be the same (B, T); got {shapes}")
     m = mask.bool()
-    per_token = fn(logp, gen_logp, adv, mask, **opts)  # (B, T)
+    per_token = fn(logp, gen_logp, adv, mask, **opts) if loss == "gspo" else fn(logp, gen_logp, adv, **opts)
     total = torch.where(m, per_token * weights, torch.zeros_like(per_token)).sum()
     with torch.no_grad():
         rho = torch.exp(logp - gen_logp)  # (B, T) token ratios
@@ -172,40 +152,30 @@ def policy_loss(logp, gen_logp, adv, mask, weights, loss="cispo", **kw):
             r = rho if loss != "gspo" else torch.exp(_seq_log_ratio(logp, gen_logp, mask))[:, None].expand_as(rho)
             a = _per_token(adv, logp)
             clipped = ((a > 0) & (r > 1 + opts["eps_high"])) | ((a < 0) & (r < 1 - opts["eps_low"]))
-        n = int(m.sum())
-        diag = {
-            "clip_frac": float(clipped[m].sum()) / max(n, 1),
-            "ratio_mean": float(rho[m].mean()) if n else 0.0,
-            "ratio_max": float(rho[m].max()) if n else 0.0,
-            "mismatch_kl": float((gen_logp - logp)[m].mean()) if n else 0.0,  # estimates KL(gen || train)
-            "n_tokens": n,
-        }
+        n, rho_m = int(m.sum()), rho[m]
+        diag = {"clip_frac": float(clipped[m].sum()) / max(n, 1), "ratio_mean": float(rho_m.mean()) if n else 0.0,
+                "ratio_max": float(rho_m.max()) if n else 0.0,
+                "mismatch_kl": float((gen_logp - logp)[m].mean()) if n else 0.0,  # estimates KL(gen || train)
+                "n_tokens": n}
     return total, diag
 
 
 # ----------------------------------------------------------------------------- FP32-head logprobs (Sec. 3.2, Fig. 5b)
-
-
 class _FP32HeadLogprobs(torch.autograd.Function):
-    """Logprobs of targets under softmax(h W^T / tau), chunk by chunk over tokens. Forward keeps only a
-    log-normaliser per token; backward recomputes each chunk's logits. Both passes work in place in one reused
-    (chunk, V) buffer: autograd through log_softmax would keep every chunk's logits, and per-chunk checkpointing
-    still holds several (chunk, V) tensors at once and pays for fresh pages on every chunk."""
+    """Logprobs of targets under softmax(h W^T / tau), chunk by chunk over tokens. Forward keeps a log-normaliser per
+    token, backward recomputes each chunk's logits, both in place in one reused (chunk, V) buffer: autograd through
+    log_softmax would keep every chunk's logits, per-chunk checkpointing several fresh (chunk, V) tensors."""
 
     @staticmethod
     def forward(ctx, h, w, targets, chunk, tau):  # h (N, H), w (V, H), targets (N,)
-        dt = torch.promote_types(torch.promote_types(h.dtype, w.dtype), torch.float32)
-        wf = w.to(dt)
-        buf = wf.new_empty(min(chunk, h.shape[0]), w.shape[0])  # (C, V): the only large tensor
-        lp = wf.new_empty(h.shape[0])
-        lse = torch.empty_like(lp)
-        for i in range(0, h.shape[0], chunk):
-            _, z = _chunk_logits(h, wf, i, chunk, tau, buf)
+        wf = w.to(torch.promote_types(torch.promote_types(h.dtype, w.dtype), torch.float32))
+        lp, lse = wf.new_empty(h.shape[0]), wf.new_empty(h.shape[0])
+        for c, _, z in _chunks(h, wf, chunk, tau):
             zmax = z.amax(-1, keepdim=True)
             z.sub_(zmax)
-            tgt = z.gather(1, targets[i:i + chunk, None])[:, 0]
-            lse[i:i + chunk] = z.exp_().sum(-1).log() + zmax[:, 0]
-            lp[i:i + chunk] = tgt + zmax[:, 0] - lse[i:i + chunk]
+            tgt = z.gather(1, targets[c, None])[:, 0]
+            lse[c] = z.exp_().sum(-1).log() + zmax[:, 0]
+            lp[c] = tgt + zmax[:, 0] - lse[c]
         ctx.chunk, ctx.tau = chunk, tau
         ctx.save_for_backward(h, w, targets, lse)
         return lp
@@ -213,38 +183,37 @@ class _FP32HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lp):
         h, w, targets, lse = ctx.saved_tensors
-        chunk, tau = ctx.chunk, ctx.tau
         wf = w.to(lse.dtype)
-        buf = wf.new_empty(min(chunk, h.shape[0]), w.shape[0])
         grad_h = wf.new_empty(h.shape) if ctx.needs_input_grad[0] else None
         grad_w = wf.new_zeros(w.shape) if ctx.needs_input_grad[1] else None
-        for i in range(0, h.shape[0], chunk):
-            hc, g = _chunk_logits(h, wf, i, chunk, tau, buf)
+        for c, hc, g in _chunks(h, wf, ctx.chunk, ctx.tau):
             # d logp_target / dz = onehot - p, z = logits / tau
-            g.sub_(lse[i:i + chunk, None]).exp_().mul_(-g_lp[i:i + chunk, None])
-            g.scatter_add_(1, targets[i:i + chunk, None], g_lp[i:i + chunk, None])
-            if tau != 1.0:
-                g.div_(tau)
+            g.sub_(lse[c, None]).exp_().mul_(-g_lp[c, None])
+            g.scatter_add_(1, targets[c, None], g_lp[c, None])
+            if ctx.tau != 1.0:
+                g.div_(ctx.tau)
             if grad_h is not None:
-                grad_h[i:i + chunk] = g @ wf
+                grad_h[c] = g @ wf
             if grad_w is not None:
                 grad_w.addmm_(g.T, hc)
         return (None if grad_h is None else grad_h.to(h.dtype), None if grad_w is None else grad_w.to(w.dtype),
                 None, None, None)
 
 
-def _chunk_logits(h, wf, i, chunk, tau, buf):
-    """Tokens i..i+chunk: their hidden states in the head's dtype, (C, H), and logits / tau, (C, V), in buf."""
-    hc = h[i:i + chunk].to(wf.dtype)
-    z = torch.mm(hc, wf.T, out=buf[:hc.shape[0]])
-    return hc, (z.div_(tau) if tau != 1.0 else z)
+def _chunks(h, wf, chunk, tau):
+    """Per chunk of tokens: its slice, its hidden states in the head's dtype (C, H) and its logits / tau (C, V),
+    each chunk's logits written over the last's in one (chunk, V) buffer, the only large tensor."""
+    buf = wf.new_empty(min(chunk, h.shape[0]), wf.shape[0])
+    for i in range(0, h.shape[0], chunk):
+        hc = h[i:i + chunk].to(wf.dtype)
+        z = torch.mm(hc, wf.T, out=buf[:hc.shape[0]])
+        yield slice(i, i + chunk), hc, (z.div_(tau) if tau != 1.0 else z)
 
 
 def token_logprobs(hidden, head_weight, targets, chunk=1024, temperature=1.0):
-    """(B, T) logprobs of targets under the LM head computed in FP32 (Sec. 3.2), after temperature (the
-    distribution actually sampled). hidden (B, T, H) of any dtype, head_weight (V, H). Results are float32
-    (float64 if an input is float64). Differentiable in hidden and head_weight; the full (B*T, V) float32 logits
-    never exist, in forward or backward."""
+    """(B, T) logprobs of targets under the LM head in FP32 (Sec. 3.2), after temperature (the distribution sampled).
+    hidden (B, T, H) of any dtype, head_weight (V, H); float32 results (float64 if an input is). Differentiable in
+    hidden and head_weight; the full (B*T, V) float32 logits never exist, in forward or backward."""
     if hidden.dim() != 3 or head_weight.dim() != 2 or hidden.shape[-1] != head_weight.shape[1]:
         raise ValueError(f"need hidden (B, T, H) and head_weight (V, H); got {tuple(hidden.shape)}, "
                          f"{tuple(head_weight.shape)}")
@@ -262,16 +231,14 @@ def token_logprobs(hidden, head_weight, targets, chunk=1024, temperature=1.0):
 
 
 def head_logits(hidden, weight, head_dtype=torch.float32):
-    """LM-head logits as float32 numbers, for the generator's sampling. head_dtype float32 is the FP32 head (Sec. 3.2,
-    Fig. 5b): hidden states and head weight upcast before the matmul; a lower head_dtype (e.g. bf16) runs the
-    matmul in that precision first."""
+    """Float32 LM-head logits for the generator's sampling. head_dtype float32 is the FP32 head (Sec. 3.2, Fig. 5b):
+    hidden states and weight upcast before the matmul; a lower head_dtype (e.g. bf16) runs the matmul in it."""
     return torch.nn.functional.linear(hidden.to(head_dtype), weight.to(head_dtype)).float()
 
 
 def head_logprobs(hidden, weight, targets, temperature=1.0, head_dtype=torch.float32):
-    """The trainer's logprobs of `targets` (B, T) from final hidden states (B, T, H), after temperature, with the
-    same head arithmetic as the generator's `head_logits`: the FP32 head chunked over tokens (`token_logprobs`), a
-    lower-precision head as one matmul."""
+    """The trainer's logprobs of `targets` (B, T) from hidden states (B, T, H), after temperature, with the head
+    arithmetic of the generator's `head_logits`: FP32 chunked over tokens (`token_logprobs`), else one matmul."""
     if head_dtype == torch.float32:
         return token_logprobs(hidden, weight, targets, temperature=temperature)
     logp = torch.log_softmax(head_logits(hidden, weight, head_dtype) / temperature, -1)  # (B, T, V)

@@ -4,36 +4,28 @@ The paper's compute-performance curve (Sec. 2.1, App. A.4-A.7):
 
     R(C) = R0 + (A - R0) / (1 + (C_mid / C) ** B)
 
-C is training compute (device-hours), R the held-out pass rate, R0 the pass rate before RL (an input,
-not fitted), A the asymptote, B the efficiency exponent and C_mid the compute at half the gain A - R0.
+C is training compute (device-hours), R the held-out pass rate, R0 the pass rate before RL (an input, not
+fitted), A the asymptote, B the efficiency exponent and C_mid the compute at half the gain A - R0.
 
 Choices, with the paper's sections:
-1. Fit by grid search (App. A): a grid over A and C_mid, the best B by least squares in every cell, the
-   cell with the smallest squared error in pass-rate space wins. `paper_grid=True` is the paper's exact
-   grid (A 0.450..0.800 step 0.005, C_mid 100..40000 GPU-hours in 100 values; the paper does not say how
-   the C_mid values are spaced, we take them evenly). The default grid adapts to the data instead, since a
-   CPU run measures compute in thousandths of a device-hour: A over [max(R0, 0), 1] (a tiny run can end
-   below the paper's 0.45), C_mid log-spaced over [min(C) / 10, max(C) * 100] of the fitted points, then
-   finer grids around the best cell. `method="curve_fit"` polishes the grid optimum with
-   scipy.optimize.curve_fit. A is bounded to [R0, 1] and B to [0.05, 20] (our choice).
-2. Early points are excluded (App. A: below ~1.5k of a ~16k GPU-hour run, an almost linear regime):
-   `c_min`. By default (c_min=None) every point with C > 0 is used; points with C <= 0 never are.
-3. Extrapolation check (Sec. 2.1): fit on the first half of the compute budget, compare the prediction
-   with the rest of the run.
-4. Noise margin (App. A): A varies by about +-0.015 across identical runs, the paper treats +-0.02 as
-   noise. We also report a residual-bootstrap spread of A for the run at hand. Recipes whose A agree
-   within 0.02 are compared by B after refitting both at their average A (`fix_A`).
+1. Grid search (App. A) over A and C_mid, with the least-squares B in every cell; the smallest squared error wins.
+   `paper_grid=True` is the paper's grid: A 0.450..0.800 step 0.005, C_mid 100..40000 GPU-hours in 100 values
+   (evenly spaced: the paper does not say). The default grid adapts to the data, as a CPU run measures compute in
+   thousandths of a device-hour and can end below A = 0.45: A over [R0, 1], C_mid log-spaced over [min(C) / 10,
+   max(C) * 100], then finer grids around the best cell. `method="curve_fit"` polishes the grid optimum with
+   scipy's curve_fit. Bounds (ours): A in [R0, 1], B in [0.05, 20].
+2. Early points are excluded (App. A: below ~1.5k of a ~16k GPU-hour run, an almost linear regime) with `c_min`; by
+   default every point with C > 0 is used. Points with C <= 0 never are.
+3. Extrapolation check (Sec. 2.1): fit on the first half of the compute budget, compare with the rest of the run.
+4. Noise margin (App. A): A varies by about +-0.015 across identical runs, the paper treats +-0.02 as noise; we also
+   report a residual-bootstrap spread of A. Recipes whose A agree within 0.02 are compared by B after refitting both
+   at their average A (`fix_A`).
 5. Power-law baseline R = A - D / C**B (App. A): it overshoots the ceiling when fitted early.
 6. "Slope equals B" (Fig. 7): log((R - R0) / (A - R)) is a straight line of slope B in log C.
 
-Run:
-    python sigmoid_fit.py out/<run>/metrics.jsonl [more runs or run dirs or points.csv] [--fit-until X] \
-        [--c-min X] [--r0 X] [--plot curve.png] [--power-law] [--compute device_hours] [--metric pass_rate] [--per-task]
-A metrics.jsonl gives eval rows (those with `pass_rate`) against `device_hours`, the cumulative training
-device-hours; its row at compute 0 is R0. A CSV's columns are read by name as well (`--compute`, `--metric`);
-a headerless CSV holds `compute,pass_rate` rows. In a report on several runs, a run that cannot be fitted (too
-few points in the fit window) is noted and skipped.
---per-task fits each `pass_rate_<task>` column of a multi-task run (math+code: one curve per task, Table 1).
+Run `python sigmoid_fit.py out/<run> [more runs or CSVs] [--plot curve.png]` (--help: the options; --per-task: a curve
+per task of a math+code run, as in Table 1). A metrics.jsonl gives eval rows (with `pass_rate`) against the cumulative
+`device_hours`, its row at compute 0 is R0; a CSV, columns by name (headerless: compute,pass_rate).
 """
 import argparse
 import csv
@@ -58,8 +50,7 @@ class TooFewPoints(ValueError):
 
 
 def sigmoid(C, A, B, C_mid, R0):
-    """The paper's curve. Written as R0 + (A - R0) * expit(B * (log C - log C_mid)), which is the same
-    function without overflow, and gives R0 at C = 0."""
+    """The paper's curve, as R0 + (A - R0) * expit(B * (log C - log C_mid)): no overflow, and R0 at C = 0."""
     with np.errstate(divide="ignore", invalid="ignore"):
         logc = np.log(np.asarray(C, dtype=float))
     return R0 + (A - R0) * expit(B * (logc - np.log(C_mid)))
@@ -129,8 +120,7 @@ def _best_b(A, logcm, logc, R, R0, n_grid=25, n_golden=20):
         fn = sse(xn)
         x1, x2, f1, f2 = (np.where(left, xn, x2), np.where(left, x1, xn),
                           np.where(left, fn, f2), np.where(left, f1, fn))
-    logb = np.where(f1 < f2, x1, x2)
-    return np.exp(logb), np.minimum(f1, f2)
+    return np.exp(np.where(f1 < f2, x1, x2)), np.minimum(f1, f2)
 
 
 def _grid_search(a_vals, logcm_vals, logc, R, R0):
@@ -164,46 +154,42 @@ def _bootstrap_a(p, logc, R, R0, bounds, n_boot, seed):
 
 def fit_sigmoid(C, R, R0, c_min=None, c_max=None, method="grid", paper_grid=False, n_boot=100, seed=0,
                 fix_A=None):
-    """Fit A, B, C_mid with R0 fixed, on the points with C > 0 in [c_min, c_max] (choices 1, 2).
-    n_boot residual-bootstrap refits estimate the spread of A (0 to skip; ~0.2 s per 100 for 50 points).
-    fix_A holds A at a value and fits B, C_mid only: the paper compares the B of two recipes whose A agree
-    within 0.02 by refitting both at their average A. Then the grid result is final."""
+    """Fit A, B, C_mid with R0 fixed, on the points with C > 0 in [c_min, c_max] (choices 1, 2). n_boot
+    residual-bootstrap refits estimate the spread of A (0 skips them; ~0.2 s per 100 for 50 points). fix_A holds A
+    at that value and fits B, C_mid only (choice 4); the grid result is then final."""
     if method not in ("grid", "curve_fit"):
         raise ValueError(f"unknown method {method!r}: expected 'grid' or 'curve_fit'")
     if not 0 <= R0 < 1:
         raise ValueError(f"R0 must be a pass rate in [0, 1), got {R0}")
     if fix_A is not None and not R0 < fix_A <= 1:
         raise ValueError(f"fix_A must lie in (R0, 1] = ({R0}, 1], got {fix_A}")
-    a_lo, a_hi = (fix_A, fix_A) if fix_A is not None else (R0, 1.0)
     C, R = _window(C, R, c_min, c_max)
     if np.any(np.diff(C) < 0):
         raise ValueError("compute must not decrease from one point to the next")
     if R.max() - R0 < 0.01:
         raise ValueError(f"pass rate never rises above R0={R0:.3f} by 0.01 (max {R.max():.3f}); nothing to fit")
-    logc = np.log(C)
+    logc, (a_lo, a_hi) = np.log(C), (fix_A, fix_A) if fix_A is not None else (R0, 1.0)
     if paper_grid:
-        a_vals, l_vals = PAPER_A_GRID[PAPER_A_GRID >= R0], np.log(PAPER_CMID_GRID)
-        a_vals = a_vals if fix_A is None else np.array([fix_A])
+        a_vals = PAPER_A_GRID[PAPER_A_GRID >= R0] if fix_A is None else np.array([fix_A])
         if a_vals.size == 0:
             raise ValueError(f"R0={R0} is above the paper's A grid (0.45..0.80); use the adaptive grid")
-        A, B, L, sse = _grid_search(a_vals, l_vals, logc, R, R0)
+        l_vals = np.log(PAPER_CMID_GRID)
     else:
         a_vals = np.unique(np.linspace(a_lo, a_hi, 41))
         l_vals = np.linspace(logc.min() - np.log(10), logc.max() + np.log(100), 61)
-        A, B, L, sse = _grid_search(a_vals, l_vals, logc, R, R0)
-        da, dl = (a_hi - a_lo) / 40, l_vals[1] - l_vals[0]
-        for _ in range(50):  # zoom: 11 x 11 cells over +-2 steps around the best cell. A and C_mid trade
-            # off along a narrow valley: when the best cell is on the zoom's edge, follow the valley at the
-            # same step, otherwise halve the step, down to 1e-4 in log C_mid (about 1e-5 in A).
-            a_z = np.unique(np.clip(np.linspace(A - 2 * da, A + 2 * da, 11), a_lo, a_hi))
-            l_z = np.linspace(L - 2 * dl, L + 2 * dl, 11)
-            A, B, L, sse = _grid_search(a_z, l_z, logc, R, R0)
-            if not (L in (l_z[0], l_z[-1]) or (A in (a_z[0], a_z[-1]) and a_lo < A < a_hi)):
-                da, dl = da / 2, dl / 2
-            if dl < 1e-4:
-                break
-    lo = [R0, B_BOUNDS[0], min(l_vals.min(), L)]
-    hi = [1.0, B_BOUNDS[1], max(l_vals.max(), L)]
+    A, B, L, sse = _grid_search(a_vals, l_vals, logc, R, R0)
+    da, dl = (a_hi - a_lo) / 40, l_vals[1] - l_vals[0]
+    for _ in range(0 if paper_grid else 50):  # zoom the adaptive grid: 11 x 11 cells over +-2 steps around the
+        # best cell. A and C_mid trade off along a narrow valley: when the best cell is on the zoom's edge, follow
+        # the valley at the same step, otherwise halve the step, down to 1e-4 in log C_mid (about 1e-5 in A).
+        a_z = np.unique(np.clip(np.linspace(A - 2 * da, A + 2 * da, 11), a_lo, a_hi))
+        l_z = np.linspace(L - 2 * dl, L + 2 * dl, 11)
+        A, B, L, sse = _grid_search(a_z, l_z, logc, R, R0)
+        if not (L in (l_z[0], l_z[-1]) or (A in (a_z[0], a_z[-1]) and a_lo < A < a_hi)):
+            da, dl = da / 2, dl / 2
+        if dl < 1e-4:
+            break
+    lo, hi = [R0, B_BOUNDS[0], min(l_vals.min(), L)], [1.0, B_BOUNDS[1], max(l_vals.max(), L)]
     if method == "curve_fit" and fix_A is None:
         p0 = np.clip([A, B, L], np.add(lo, 1e-9), np.subtract(hi, 1e-9))
         p, _ = curve_fit(lambda x, a, b, l: _residuals_jac((a, b, l), x, R0)[0], logc, R, p0=p0,
@@ -221,8 +207,8 @@ def fit_sigmoid(C, R, R0, c_min=None, c_max=None, method="grid", paper_grid=Fals
 
 
 def fit_power_law(C, R, c_min=None, c_max=None):
-    """R = A - D / C**B with A <= 1 (the paper's baseline). For a fixed B the model is linear in (A, D): solve it in
-    closed form for a log-grid of B, then refine B between the best value's grid neighbours."""
+    """R = A - D / C**B with A <= 1 (choice 5). Linear in (A, D) for a fixed B: solved in closed form on a log-grid
+    of B, then B refined between the best value's grid neighbours."""
     C, R = _window(C, R, c_min, c_max)
 
     def solve(b):  # scalar b -> (A, D, sse)
@@ -253,8 +239,8 @@ class ExtrapolationCheck:
 
 
 def extrapolation_check(C, R, R0, fit_fraction=0.5, fit_until=None, **fit_kw):
-    """Fit on C <= fit_until (default fit_fraction * max C, the paper's half budget) and measure the
-    prediction error on the later points (choice 3). fit_kw go to fit_sigmoid."""
+    """Fit on C <= fit_until (default fit_fraction * max C, the paper's half budget), measure the prediction error
+    on the later points (choice 3). fit_kw go to fit_sigmoid."""
     C, R = np.asarray(C, dtype=float), np.asarray(R, dtype=float)
     cut = fit_until if fit_until is not None else fit_fraction * C.max()
     fit = fit_sigmoid(C, R, R0, c_max=cut, **fit_kw)
@@ -308,10 +294,9 @@ def plot_runs(runs, path, power_law=False, fit_until=None, xlabel="compute (devi
 
 
 def read_points(path, compute_key="device_hours", metric_key="pass_rate"):
-    """(C, R, r0_guess) from a metrics.jsonl (eval rows: those holding metric_key) or a CSV whose header names
-    the columns (or, headerless, compute,pass_rate). Only points with C > 0 are returned; r0_guess is R at compute 0
-    (None if absent).
-    A torn last jsonl line (a run killed mid-write) is skipped with a warning."""
+    """(C, R, r0_guess) from a metrics.jsonl (eval rows: those holding metric_key) or a CSV whose header names the
+    columns (headerless: compute,pass_rate). Only points with C > 0 are returned; r0_guess is R at compute 0 (None
+    if absent). A torn last jsonl line (a run killed mid-write) is skipped with a warning."""
     if os.path.isdir(path):
         path = os.path.join(path, "metrics.jsonl")
     if not os.path.isfile(path):
@@ -330,21 +315,18 @@ def read_points(path, compute_key="device_hours", metric_key="pass_rate"):
             raise ValueError(f"{path}: {len(table[0][1])} columns and no header; add a header row naming the columns "
                              "(then --compute and --metric pick them)")
         for n, cells in table:
-            try:
-                if len(cells) != len(names or cols):
-                    raise IndexError
-                rows.append((n, float(cells[cols[0]]), float(cells[cols[1]])))
-            except (ValueError, IndexError):
-                raise ValueError(f"{path}:{n}: expected {want}, got {','.join(cells)!r}") from None
+            if len(cells) != len(names or cols) or not all(_is_number(cells[c]) for c in cols):
+                raise ValueError(f"{path}:{n}: expected {want}, got {','.join(cells)!r}")
+            rows.append((n, float(cells[cols[0]]), float(cells[cols[1]])))
     else:
         for n, line in lines:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                if n == lines[-1][0]:
-                    print(f"warning: {path}:{n}: ignoring a torn last line ({e.msg})", file=sys.stderr)
-                    continue
-                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})")
+                if n != lines[-1][0]:
+                    raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})")
+                print(f"warning: {path}:{n}: ignoring a torn last line ({e.msg})", file=sys.stderr)
+                continue
             if isinstance(row, dict) and metric_key in row:
                 if not all(isinstance(row.get(k), (int, float)) for k in (compute_key, metric_key)):
                     raise ValueError(f"{path}:{n}: eval row needs numbers {compute_key!r} and {metric_key!r}")
@@ -370,8 +352,8 @@ def _is_number(cell):
 
 
 def _csv_columns(path, names, compute_key, metric_key):
-    """(compute, metric) column indices of a CSV header, by name. Where the default compute column is absent and
-    exactly one other column could be compute (an index such as `step` cannot), that one is taken, with a note."""
+    """(compute, metric) column indices of a CSV header, by name. Without the default compute column, the one other
+    column that could be compute (an index such as `step` cannot) is taken, with a note."""
     def missing(key, option):
         return ValueError(f"{path} has no column {key!r} (columns: {', '.join(names)}); pass {option}")
     if metric_key not in names:
@@ -390,11 +372,12 @@ def _csv_columns(path, names, compute_key, metric_key):
 
 def analyze(paths, plot=None, fit_until=None, c_min=None, r0=None, power_law=False, metric_key="pass_rate",
             compute_key="device_hours"):
-    """Fit every run, return the report: parameters, A's bootstrap spread, extrapolation check."""
-    runs, skipped = [], []
-    out = [f"{'run':<28} {'n':>4} {'window':>19} {'R0':>6} {'A':>6} {'A 90% (boot)':>13} {'B':>5} {'C_mid':>9} "
-           f"{'rmse':>7}"]
-    for p in paths:  # a path, or (path, metric) for one task's curve of a multi-task run
+    """The report on every run: the fit, A's bootstrap spread, the extrapolation check. paths: run directories or
+    files, or (path, metric) for one task's curve of a multi-task run."""
+    runs, skipped, notes = [], [], []
+    table = [f"{'run':<28} {'n':>4} {'window':>19} {'R0':>6} {'A':>6} {'A 90% (boot)':>13} {'B':>5} {'C_mid':>9} "
+             f"{'rmse':>7}"]
+    for p in paths:
         p, key = p if isinstance(p, tuple) else (p, metric_key)
         C, R, r0_guess = read_points(p, compute_key=compute_key, metric_key=key)
         R0 = r0 if r0 is not None else r0_guess
@@ -413,29 +396,26 @@ def analyze(paths, plot=None, fit_until=None, c_min=None, r0=None, power_law=Fal
             raise ValueError(f"{p}: {e}") from None
         runs.append(dict(label=label, C=C, R=R, R0=R0, fit=fit, power=power))
         w = f"[{fit.window[0]:.3g}, {fit.window[1]:.3g}]"
-        out.append(f"{label[-28:]:<28} {fit.n_points:>4} {w:>19} {R0:>6.3f} {fit.A:>6.3f} "
-                   f"{fit.A_ci[0]:>6.3f}-{fit.A_ci[1]:.3f} {fit.B:>5.2f} {fit.C_mid:>9.3g} {fit.rmse:>7.4f}")
+        table.append(f"{label[-28:]:<28} {fit.n_points:>4} {w:>19} {R0:>6.3f} {fit.A:>6.3f} "
+                     f"{fit.A_ci[0]:>6.3f}-{fit.A_ci[1]:.3f} {fit.B:>5.2f} {fit.C_mid:>9.3g} {fit.rmse:>7.4f}")
+        notes.append(f"\n{label}: A = {fit.A:.3f} +- {fit.A_std:.3f} (bootstrap std over the fit window); "
+                     f"the paper treats A differences below {NOISE_MARGIN} as noise.")
+        if fit.window[1] < 3 * fit.C_mid:
+            notes.append(f"  note: the fit window ends below 3 x C_mid ({fit.window[1]:.3g} < {3 * fit.C_mid:.3g}):"
+                         " A is an extrapolation, train longer to pin it down.")
+        try:
+            ex = extrapolation_check(C, R, R0, fit_until=fit_until, c_min=c_min, n_boot=0)
+            notes.append(f"  extrapolation: fit on C <= {ex.fit.window[1]:.3g} ({ex.n_fit} points, A={ex.fit.A:.3f}), "
+                         f"predict {ex.n_test} later points: max |err| {ex.max_abs_err:.4f}, mean "
+                         f"{ex.mean_abs_err:.4f}, final {ex.final_err:+.4f} (prediction - measured)")
+        except ValueError as e:
+            notes.append(f"  extrapolation check skipped: {e}")
+        if power is not None:
+            notes.append(f"  power law R = A - D/C^B: A={power.A:.3f} D={power.D:.3g} B={power.B:.3f} "
+                         f"rmse={power.rmse:.4f} (A {power.A - fit.A:+.3f} vs the sigmoid)")
     if not runs:  # nothing to report: the error, word for word as for a single run
         raise ValueError("; ".join(dict.fromkeys(f"{p}: {e}" for p, _, e in skipped)))
-    out += [f"{label}: skipped: {e}" for _, label, e in skipped]
-    for run in runs:
-        fit, C = run["fit"], run["C"]
-        out.append(f"\n{run['label']}: A = {fit.A:.3f} +- {fit.A_std:.3f} (bootstrap std over the fit window); "
-                   f"the paper treats A differences below {NOISE_MARGIN} as noise.")
-        if fit.window[1] < 3 * fit.C_mid:
-            out.append(f"  note: the fit window ends below 3 x C_mid ({fit.window[1]:.3g} < {3 * fit.C_mid:.3g}):"
-                       " A is an extrapolation, train longer to pin it down.")
-        try:
-            ex = extrapolation_check(C, run["R"], run["R0"], fit_until=fit_until, c_min=c_min, n_boot=0)
-            out.append(f"  extrapolation: fit on C <= {ex.fit.window[1]:.3g} ({ex.n_fit} points, A={ex.fit.A:.3f}), "
-                       f"predict {ex.n_test} later points: max |err| {ex.max_abs_err:.4f}, mean {ex.mean_abs_err:.4f}, "
-                       f"final {ex.final_err:+.4f} (prediction - measured)")
-        except ValueError as e:
-            out.append(f"  extrapolation check skipped: {e}")
-        if run["power"] is not None:
-            pl = run["power"]
-            out.append(f"  power law R = A - D/C^B: A={pl.A:.3f} D={pl.D:.3g} B={pl.B:.3f} rmse={pl.rmse:.4f}"
-                       f" (A {pl.A - fit.A:+.3f} vs the sigmoid)")
+    out = table + [f"{label}: skipped: {e}" for _, label, e in skipped] + notes
     if plot:
         plot_runs(runs, plot, power_law=power_law, fit_until=fit_until, xlabel=f"compute ({compute_key})")
         out.append(f"\nwrote {plot}")
@@ -444,9 +424,8 @@ def analyze(paths, plot=None, fit_until=None, c_min=None, r0=None, power_law=Fal
 
 def per_task_metrics(path):
     """The `pass_rate_<task>` columns of a run's metrics.jsonl, in order of first appearance."""
-    path = os.path.join(path, "metrics.jsonl") if os.path.isdir(path) else path
     keys = {}
-    with open(path) as f:
+    with open(os.path.join(path, "metrics.jsonl") if os.path.isdir(path) else path) as f:
         for line in f:
             try:
                 row = json.loads(line)
@@ -471,12 +450,10 @@ def main(argv=None):
     ap.add_argument("--per-task", action="store_true", help="fit each pass_rate_<task> column of a multi-task run")
     args = ap.parse_args(argv)
     try:
-        paths = args.paths
-        if args.per_task:
-            paths = [(p, key) for p in args.paths for key in per_task_metrics(p)]
-            missing = [p for p in args.paths if not any(q == p for q, _ in paths)]
-            if missing:
-                raise ValueError(f"{missing[0]}: no pass_rate_<task> columns (a single-task run); drop --per-task")
+        paths = [(p, key) for p in args.paths for key in per_task_metrics(p)] if args.per_task else args.paths
+        single = [p for p in args.paths if args.per_task and p not in dict(paths)]
+        if single:
+            raise ValueError(f"{single[0]}: no pass_rate_<task> columns (a single-task run); drop --per-task")
         print(analyze(paths, plot=args.plot, fit_until=args.fit_until, c_min=args.c_min, r0=args.r0,
                       power_law=args.power_law, metric_key=args.metric, compute_key=args.compute))
     except (ValueError, OSError) as e:
