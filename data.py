@@ -1,17 +1,10 @@
 """Prompts, verifiable rewards and the filtering curriculum for scalerl. Standalone: no project imports.
 
-Its sections, in order:
-1. Problems and the prompt format: `Problem`; `format_prompt` / `format_target`: `<think> ... </think> answer`;
-   `char_tokenizer`, the tiny model's character-level tokenizer.
-2. The built-in arithmetic task "arith" (offline): chains of single-digit additions with a step-by-step scratchpad.
-3. The code task: the built-in "code" (offline: print f(a,b) for the a b on stdin, with hidden tests), reading the
-   program out of a completion, and DeepCoder-style rows (a `tests` column of stdin/stdout pairs).
-4. Rewards: `reward(problem, completion)`: +1 pass / -1 fail, never raises; `parallel_map` checks a batch at once.
-5. Sources: `load_problems(source, ...) -> (train, val)` for "arith", "code", "rg:<name>" (reasoning-gym), the
-   presets "polaris", "gsm8k", "math", "deepcoder", a hub dataset or a .json/.jsonl/.parquet file; `combine` joins them.
-6. The curriculum: `PromptPool` (seeded epochs, zero-variance filtering, No-Positive-Resampling); `MixedPool`:
-   one per task, drawn from in fixed shares (math + code); `make_pool` picks one.
-7. The code sandbox: `check_program` runs a program against its tests; `sandbox_mode` says how it is confined.
+Sections: 1. `Problem`, the prompt format `<think> ... </think> answer`, `char_tokenizer` (the tiny model's);
+2. the built-in arithmetic task "arith"; 3. the code task: the built-in "code", programs read from completions,
+DeepCoder-style rows; 4. rewards: `reward` (+1 pass / -1 fail, never raises), `parallel_map`; 5. sources:
+`load_problems` (built-in, reasoning-gym, presets, hub, local files), `combine`; 6. the curriculum: `PromptPool`,
+`MixedPool` (one pool per task, fixed shares), `make_pool`; 7. the code sandbox: `check_program`, `sandbox_mode`.
 
 The paper's choices made here:
 1. Binary reward +1 / -1 from a verifier (Sec. 3.2): math answers are checked with Math-Verify after stripping the
@@ -20,14 +13,15 @@ The paper's choices made here:
 3. Zero-variance filtering: a group whose rewards are all equal leaves the loss and is counted, not refilled (Sec. 3.2).
 4. No-Positive-Resampling: a prompt whose pass rate reaches 0.9 is never sampled in a later epoch (Sec. 3.2);
    **choice**: the latest observed pass rate decides, and removal takes effect at the next epoch.
-5. The forced-interruption phrase (App. A.10) ends with `</think>`, so an interrupted completion still has an
-   answer section for `extract_answer`.
+5. The forced-interruption phrase (App. A.10) ends with `</think>`, so an interrupted completion still has an answer.
 
 Run `python data.py` to print a few built-in problems, their prompt and their supervised target.
 """
 import atexit
 import concurrent.futures
 import contextlib
+import dataclasses
+import difflib
 import functools
 import importlib.util
 import json
@@ -43,7 +37,6 @@ import tempfile
 import threading
 import time
 import zlib
-from dataclasses import dataclass, replace
 
 # ---------------------------------------------------------------------------------------------------
 # Problems and the prompt format: the prompt ends with <think>; the model writes its thinking, </think>, the answer.
@@ -55,7 +48,7 @@ RG_INSTRUCTION = "\nThink inside <think> </think>, then write only the final ans
 MATH_INSTRUCTION = "\nThink inside <think> </think>, then write the final answer after </think> in \\boxed{}."
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Problem:
     id: int          # stable prompt id, unique within a loaded source (PromptPool keys on it)
     question: str    # question text shown to the model (no template), with any per-task instruction
@@ -97,11 +90,11 @@ def char_tokenizer(chars):
 
 
 def format_target(problem):
-    """Supervised completion: trace, </think>, answer. For the built-in task the answer is the trace's own
-    last running sum, so an imperfect trace teaches a consistent slip rather than a guess from nowhere."""
+    """Supervised completion: trace, </think>, answer. For the built-in tasks the answer is what the trace itself
+    ends at, so an imperfect trace teaches a consistent slip rather than a guess from nowhere."""
     answer = problem.answer
     if problem.task == "arith" and problem.trace:
-        answer = problem.trace.rsplit("=", 1)[-1]
+        answer = problem.trace.rsplit("=", 1)[-1]  # the last running sum
     elif problem.task == "code":  # the built-in program prints the trace's last expression
         answer = CODE_HEAD + problem.trace.rsplit(",", 1)[-1] + ")" if problem.trace else ""
     return problem.trace + THINK_CLOSE + answer
@@ -115,31 +108,25 @@ def extract_answer(completion):
 
 
 # ---------------------------------------------------------------------------------------------------
-# The built-in arithmetic task: level L is a chain of L+1 single-digit terms, "7+5+9+3"; the scratchpad keeps a
-# running sum, one step per term, "7+5=12,12+9=21,21+3=24". Short and regular so a ~1M-parameter
-# character-level model learns it from scratch in minutes; the thinking grows with the level, so the
-# top levels are the ones a length budget interrupts (App. A.10).
+# The built-in arithmetic task: level L is a chain of L+1 single-digit terms, "7+5+9+3"; the scratchpad keeps a running
+# sum, "7+5=12,12+9=21,21+3=24". Short and regular so a ~1M-parameter character-level model learns it from scratch in
+# minutes; the thinking grows with the level, so the top levels are the ones a length budget interrupts (App. A.10).
 
 VAL_BUCKETS = 5  # 1 in 5 possible questions is reserved for validation, so val and train never share one
 ARITH_CHARS = "".join(sorted(set("0123456789+=,\n " + PLAIN_TEMPLATE.replace("{question}", "")
                                  + THINK_OPEN + THINK_CLOSE + INTERRUPT_PHRASE)))
-_STEP = re.compile(r"(\d+)\+(\d+)=(\d+)", re.ASCII)
 
 
-def _is_val_question(question, seed):
-    # A stable hash splits the space of questions, not the list of draws: the 100 possible level-1
-    # questions would otherwise all be drawn into a 1,000-prompt validation set.
-    return zlib.crc32(f"{seed}:{question}".encode()) % VAL_BUCKETS == 0
+def _in_split(question, seed, split):
+    """Whether `question` is on the `split` side ("val", "train"; None: either) of a hash of the space of questions,
+    not of the list of draws (which would put all 100 level-1 questions into a 1,000-prompt validation set)."""
+    return split is None or (zlib.crc32(f"{seed}:{question}".encode()) % VAL_BUCKETS == 0) == (split == "val")
 
 
 def arith_problems(n, seed=0, levels=(1, 2, 3, 4, 5), error_rate=0.0, start_id=0, split=None):
-    """n problems with ids start_id.. ; each is a function of (seed, id) only, levels cycle with the id.
-
-    error_rate: each step of the trace independently slips (result off by +-1 or +-10) with this
-    probability and the chain goes on from the wrong sum, so the warm-started model is only partly
-    competent; `answer` is always the true sum (see `trace_errors`). split: "val" or "train" keeps only
-    questions from that side of the hashed split (None: any question).
-    """
+    """n problems with ids start_id..; each is a function of (seed, id) only, levels cycle with the id. error_rate:
+    each step of the trace slips (result off by +-1 or +-10) with this probability and the chain goes on from the
+    wrong sum, so the warm-started model is only partly competent; `answer` is always the true sum."""
     if not levels or any(not isinstance(L, int) or L < 1 for L in levels):
         raise ValueError(f"arith levels must be integers >= 1, got {levels!r}")
     if not 0.0 <= error_rate <= 1.0:
@@ -152,7 +139,7 @@ def arith_problems(n, seed=0, levels=(1, 2, 3, 4, 5), error_rate=0.0, start_id=0
         for _ in range(10_000):  # rejection sampling into the requested side of the split
             terms = [rng.randrange(10) for _ in range(level + 1)]
             question = "+".join(map(str, terms))
-            if split is None or _is_val_question(question, seed) == (split == "val"):
+            if _in_split(question, seed, split):
                 break
         else:
             raise RuntimeError(f"arith level {level} has no {split} question for seed {seed}")
@@ -170,27 +157,10 @@ def arith_problems(n, seed=0, levels=(1, 2, 3, 4, 5), error_rate=0.0, start_id=0
     return out
 
 
-def trace_errors(problem):
-    """Indices of the trace steps whose arithmetic is wrong or that do not follow the question's chain."""
-    terms = [int(t) for t in problem.question.split("+")]
-    steps = problem.trace.split(",") if problem.trace else []
-    bad, total = [], terms[0]
-    for k in range(len(terms) - 1):
-        m = _STEP.fullmatch(steps[k]) if k < len(steps) else None
-        if m is None or (int(m[1]), int(m[2])) != (total, terms[k + 1]) or int(m[1]) + int(m[2]) != int(m[3]):
-            bad.append(k)
-        total = int(m[3]) if m else total + terms[k + 1]
-    return bad + list(range(len(terms) - 1, len(steps)))  # extra steps are errors too
-
-
-def trace_is_correct(problem):
-    return not trace_errors(problem)
-
-
 # ---------------------------------------------------------------------------------------------------
-# The code task (math+code runs add DeepCoder, checked in a sandbox against tests, App. A.3; Table 1 fits one
-# curve per task). A program reads stdin and prints to stdout; it passes when its output on every hidden test
-# equals the expected one after trailing whitespace is stripped (the sandbox is the last section).
+# The code task (math+code runs add DeepCoder, checked in a sandbox against tests, App. A.3; Table 1 fits one curve
+# per task). A program reads stdin and prints to stdout; it passes when its output on every hidden test equals the
+# expected one after trailing whitespace is stripped (the sandbox is the last section).
 
 CODE_INSTRUCTION = ("\nThink inside <think> </think>, then after </think> write a Python program that reads "
                     "stdin and prints the answer, in a ```python block.")
@@ -201,9 +171,6 @@ CODE_CHARS = "".join(sorted(set("f(a,b)=0123456789+-*," + CODE_HEAD + ")")))
 CODE_ANSWER_TOKENS = len(CODE_HEAD) + 3 * len("-9*a*b") + 2  # the longest built-in program and the end token
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.S)
 
-# The built-in code task: level L is f(a,b) with L terms in math notation, "f(a,b)=3ab-a+7"; the program prints
-# it for the a b on stdin. The thinking builds the Python expression a term at a time, "3*a*b,3*a*b-a,3*a*b-a+7";
-# slips (a coefficient off by one, a sign flipped, a variable swapped) carry on, like arith's.
 
 def _term(sign, coef, var, first, python):
     body = ([str(coef)] if coef > 1 or not var else []) + list(var)
@@ -211,7 +178,9 @@ def _term(sign, coef, var, first, python):
 
 
 def code_problems(n, seed=0, levels=(1, 2, 3), error_rate=0.0, start_id=0, split=None, n_tests=3):
-    """n built-in code problems (ids start_id..), each a function of (seed, id); as `arith_problems`."""
+    """n built-in code problems, as `arith_problems`: level L is f(a,b) with L terms in math notation, "f(a,b)=3ab-a+7",
+    printed by the program for the a b on stdin. The thinking builds the Python expression a term at a time,
+    "3*a*b,3*a*b-a,3*a*b-a+7"; slips (a coefficient off by one, a sign flipped, a variable swapped) carry on."""
     if not levels or any(not isinstance(L, int) or not 1 <= L <= 3 for L in levels):
         raise ValueError(f"code levels must be integers in 1..3, got {levels!r}")
     out, values = [], [v for v in range(-30, 31) if v not in (0, 1)]  # a single slip changes every output
@@ -220,7 +189,7 @@ def code_problems(n, seed=0, levels=(1, 2, 3), error_rate=0.0, start_id=0, split
         for _ in range(10_000):  # rejection sampling into the requested side of the split
             terms = [(rng.choice("+-"), rng.randint(1, 9), rng.choice(("a", "b", "ab", ""))) for _ in range(level)]
             question = "f(a,b)=" + "".join(_term(*t, i == 0, False) for i, t in enumerate(terms))
-            if split is None or _is_val_question(question, seed) == (split == "val"):
+            if _in_split(question, seed, split):
                 break
         tests = []
         for a, b in (rng.sample(values, 2) for _ in range(n_tests)):  # a != b
@@ -237,13 +206,6 @@ def code_problems(n, seed=0, levels=(1, 2, 3), error_rate=0.0, start_id=0, split
     return out
 
 
-def extract_program(completion):
-    """The program after the last </think>: the first ```python block when there is one, else all of it."""
-    text = extract_answer(completion)
-    fenced = _FENCE.search(text) if text else None
-    return fenced[1] if fenced else text
-
-
 @functools.lru_cache(maxsize=256)
 def code_tests(answer):
     return [tuple(t) for t in json.loads(answer)]  # a code problem's answer: its hidden tests as JSON
@@ -254,29 +216,20 @@ def _code_verdict(program, answer, time_limit):
     return check_program(program, code_tests(answer), time_limit)
 
 
-def _code_rows(rows, source, prompt_key):
-    """Problems from DeepCoder/TACO-style rows: `tests` is a list of {input, output} (or [input, output]) or a dict
-    of inputs/outputs lists, maybe as JSON text; tests that call a function instead of reading stdin are left out."""
-    if prompt_key not in rows[0]:
-        raise ValueError(f"dataset {source!r} has no column {prompt_key!r}; columns: {sorted(rows[0])}; "
-                         f"set prompt_key=")
-    out = []
-    for i, row in enumerate(rows):
-        try:
-            raw = json.loads(row["tests"]) if isinstance(row["tests"], str) else row["tests"]
-            if isinstance(raw, dict):  # {"inputs": [...], "outputs": [...]}, or "fn_name" for a function's tests
-                raw = [] if raw.get("fn_name") else list(zip(raw["inputs"], raw["outputs"]))
-            cases = [dict(input=c[0], output=c[1]) if isinstance(c, (list, tuple)) else c for c in raw]
-            tests = [(c["input"], c["output"]) for c in cases if isinstance(c["input"], str) and isinstance(
-                c["output"], str) and c.get("testtype", "stdin") == "stdin" and c.get("type", "stdin_stdout")
-                == "stdin_stdout"]
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-            tests = []  # unreadable tests: the row cannot be checked
-        if tests and str(row.get(prompt_key) or "").strip():
-            out.append(Problem(i, str(row[prompt_key]).strip() + CODE_INSTRUCTION, json.dumps(tests), "code"))
-    if not out:
-        raise ValueError(f"dataset {source!r}: no row has stdin/stdout tests in its 'tests' column")
-    return out
+def _stdin_tests(cell):
+    """A DeepCoder/TACO-style `tests` cell (a list of {input, output} or [input, output], or a dict of inputs/outputs
+    lists, maybe as JSON) as a code answer, JSON [[stdin, stdout], ...]; function tests are left out; None if none."""
+    try:
+        raw = json.loads(cell) if isinstance(cell, str) else cell
+        if isinstance(raw, dict):  # {"inputs": [...], "outputs": [...]}, or "fn_name" for a function's tests
+            raw = [] if raw.get("fn_name") else list(zip(raw["inputs"], raw["outputs"]))
+        cases = [dict(input=c[0], output=c[1]) if isinstance(c, (list, tuple)) else c for c in raw]
+        tests = [(c["input"], c["output"]) for c in cases if isinstance(c["input"], str) and isinstance(
+            c["output"], str) and c.get("testtype", "stdin") == "stdin" and c.get("type", "stdin_stdout")
+            == "stdin_stdout"]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None  # unreadable tests: the row cannot be checked
+    return json.dumps(tests) if tests else None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -284,11 +237,6 @@ def _code_rows(rows, source, prompt_key):
 
 _NUMBER = re.compile(r"[-+]?\d+(\.\d+)?", re.ASCII)  # ASCII digits only: "٢٤" is not 24
 _RG_ENTRIES = {}  # Problem -> (reasoning-gym dataset, entry): the entry its scorer needs (Problem is frozen)
-
-
-def _check_arith(problem, text):
-    number = _NUMBER.search(text)  # the first number must be an integer equal to the answer
-    return bool(number) and number[1] is None and len(number[0]) <= 30 and int(number[0]) == int(problem.answer)
 
 
 def _check_rg(problem, text, timeout):
@@ -303,26 +251,18 @@ def _check_rg(problem, text, timeout):
 
 
 class _MathWorker:
-    """Math-Verify in a child process. Its own time-outs use signals (main thread only) and a thread
-    cannot stop SymPy inside one long C call (e.g. 9^{9^{9^9}} holds the GIL), so a check that runs
-    past its deadline kills the child; the next check starts a fresh one (~1 s). Cost ~1-5 ms a check."""
+    """Math-Verify in a child process. Its own time-outs use signals (main thread only) and a thread cannot stop SymPy
+    inside one long C call (e.g. 9^{9^{9^9}} holds the GIL), so a check that runs past its deadline kills the child;
+    the next check starts a fresh one (~1 s). Cost ~1-5 ms a check."""
 
     def __init__(self):
         self.proc, self.lock = None, threading.Lock()
-
-    def _start(self):
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--math-worker"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     text=True, encoding="utf-8")
-        if self._read(120.0) != "ready":
-            self._stop()
-            raise RuntimeError("math-verify worker did not start; is math-verify installed?")
 
     def _read(self, timeout):  # one line from the child, or None after timeout seconds
         ready = select.select([self.proc.stdout], [], [], timeout)[0]
         return self.proc.stdout.readline().strip() if ready else None
 
-    def _stop(self):
+    def stop(self):
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait()
@@ -332,14 +272,18 @@ class _MathWorker:
         with self.lock:
             try:
                 if self.proc is None or self.proc.poll() is not None:
-                    self._start()
+                    self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--math-worker"],
+                                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                 stderr=subprocess.DEVNULL, text=True, encoding="utf-8")
+                    if self._read(120.0) != "ready":
+                        raise RuntimeError("math-verify worker did not start; is math-verify installed?")
                 self.proc.stdin.write(json.dumps([gold, pred]) + "\n")
                 self.proc.stdin.flush()
                 out = self._read(timeout)
             except (OSError, RuntimeError, ValueError):
                 out = None
             if out is None:  # too slow or dead: start over on the next check
-                self._stop()
+                self.stop()
             return out == "1"
 
 
@@ -362,7 +306,7 @@ def _math_worker_loop():
 
 
 _MATH_WORKER = _MathWorker()
-atexit.register(_MATH_WORKER._stop)  # a child stuck in SymPy would not notice its parent leaving
+atexit.register(_MATH_WORKER.stop)  # a child stuck in SymPy would not notice its parent leaving
 _REWARD_THREADS = concurrent.futures.ThreadPoolExecutor(CODE_WORKERS, thread_name_prefix="reward")  # parallel_map's
 
 
@@ -372,14 +316,16 @@ def reward(problem, completion, timeout=5.0):
         text = extract_answer(completion)
         if not text:
             return -1.0
-        if problem.task == "arith":
-            ok = _check_arith(problem, text)
+        if problem.task == "arith":  # the first number must be an integer equal to the answer
+            number = _NUMBER.search(text)
+            ok = bool(number) and number[1] is None and len(number[0]) <= 30 and int(number[0]) == int(problem.answer)
         elif problem.task.startswith("rg:"):
             ok = _check_rg(problem, text, timeout)
         elif problem.task == "math":  # answers are short; the tail keeps a final \boxed{} of a long one
             ok = _MATH_WORKER.check(problem.answer, text[-2000:], timeout)
-        elif problem.task == "code":
-            ok = _code_verdict(extract_program(completion), problem.answer, min(timeout, CODE_TIME_LIMIT))
+        elif problem.task == "code":  # the program: the first ```python block when there is one, else all of it
+            fenced = _FENCE.search(text)
+            ok = _code_verdict(fenced[1] if fenced else text, problem.answer, min(timeout, CODE_TIME_LIMIT))
         else:
             ok = False
     except Exception:  # a reward never takes down the run: an unexpected failure is a fail
@@ -393,10 +339,14 @@ def parallel_map(fn, items):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Sources
+# Sources. A math answer column holds the answer, or a worked solution it is read from: MATH's last \boxed{}, and
+# (**choice**: in any source but "math") for an answer containing "####", a GSM8K solution, the number after the last
+# "####" with commas removed ("1,234" -> "1234"); the text before it is the trace.
 
-def _after_hashes(text):  # GSM8K answers: "reasoning #### 72" -> (trace, answer)
-    return tuple(text.rsplit("####", 1)) if "####" in text else ("", None)
+def _gsm8k_answer(text):  # (trace, answer) of an answer cell: "steps #### 1,234" -> ("steps ", "1234"); else ("", text)
+    solution, hashes, tail = text.rpartition("####")
+    number = _NUMBER.search(tail.replace(",", ""))
+    return (solution, number[0] if number else None) if hashes else ("", text)
 
 
 def last_boxed(text):
@@ -412,21 +362,28 @@ def last_boxed(text):
     return None
 
 
-PRESETS = {  # name -> hub dataset, config, split, the prompt/answer columns, and (trace, answer) from the answer
-    "polaris": dict(hub="POLARIS-Project/Polaris-Dataset-53K", config=None, split="train",
-                    prompt_key="problem", answer_key="answer", answer_fn=None),
-    "gsm8k": dict(hub="openai/gsm8k", config="main", split="train", prompt_key="question",
-                  answer_key="answer", answer_fn=_after_hashes),
-    "math": dict(hub="DigitalLearningGmbH/MATH-lighteval", config="default", split="train", prompt_key="problem",
-                 answer_key="solution", answer_fn=lambda solution: (solution, last_boxed(solution))),
-    "deepcoder": dict(hub="agentica-org/DeepCoder-Preview-Dataset", config="primeintellect", split="train",
-                      prompt_key="problem", answer_key="tests", answer_fn=None),  # code: rows with a tests column
+PRESETS = {  # name -> (hub dataset, config, question column, answer column, answer cell -> (trace, answer))
+    "polaris": ("POLARIS-Project/Polaris-Dataset-53K", None, "problem", "answer", _gsm8k_answer),
+    "gsm8k": ("openai/gsm8k", "main", "question", "answer", _gsm8k_answer),
+    "math": ("DigitalLearningGmbH/MATH-lighteval", "default", "problem", "solution", lambda s: (s, last_boxed(s))),
+    "deepcoder": ("agentica-org/DeepCoder-Preview-Dataset", "primeintellect", "problem", "tests", None),  # code
 }
+FILE_TYPES = (".json", ".jsonl", ".parquet")
 
 
-def _read_rows(path):
-    if not os.path.isfile(path):
-        raise ValueError(f"dataset file {path!r} does not exist")
+def _read_rows(source, path, hub, config, split):
+    """The rows of the local file `path`, or when it is None of the hub dataset (offline: from the local cache)."""
+    if path is None:
+        import datasets
+        try:
+            return list(datasets.load_dataset(hub, config, split=split))
+        except Exception as e:  # offline, unreachable or unknown: one actionable line
+            why = (str(e) or repr(e)).splitlines()[0][:160]
+            raise ValueError(f"cannot load dataset {source!r} (hub: {hub}): {why}. Provide it locally: save it as "
+                             f".json/.jsonl/.parquet and pass --data_path=FILE (or the file as the source)") from None
+    if not path.endswith(FILE_TYPES) or not os.path.isfile(path):
+        why = "does not exist" if path.endswith(FILE_TYPES) else "is not a .json, .jsonl or .parquet file"
+        raise ValueError(f"dataset file {path!r} {why}")
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
         return pq.read_table(path).to_pylist()
@@ -441,31 +398,50 @@ def _read_rows(path):
     return data
 
 
-def _read_hub(source, hub, config, split):
-    import datasets
-    try:
-        return list(datasets.load_dataset(hub, config, split=split))
-    except Exception as e:  # offline, unreachable or unknown: one actionable line
-        why = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
-        raise ValueError(f"cannot load dataset {source!r} (hub: {hub}): {why}. Provide it locally: save it as "
-                         f".json/.jsonl/.parquet and pass data_path=FILE (or the file path as the source)") from None
-
-
 def _rows_to_problems(rows, source, prompt_key, answer_key, trace_key, answer_fn):
+    """Problems from rows, code when answer_fn is None; a row without a question or a checkable answer is skipped."""
     for key in (prompt_key, answer_key):
         if rows and key not in rows[0]:
-            raise ValueError(f"dataset {source!r} has no column {key!r}; columns: {sorted(rows[0])}; "
-                             f"set prompt_key=/answer_key=")
+            raise ValueError(f"dataset {source!r} has no column {key!r}; columns: {sorted(rows[0])}; pass "
+                             f"--prompt_key/--answer_key")
     out = []
     for i, row in enumerate(rows):
-        question, answer = row.get(prompt_key), row.get(answer_key)
-        trace = str(row.get(trace_key) or "") if trace_key else ""
-        if answer is not None and answer_fn is not None:
+        question, answer, trace = row.get(prompt_key), row.get(answer_key), ""
+        if answer_fn is None:
+            answer = _stdin_tests(answer)
+        elif answer is not None:
             trace, answer = answer_fn(str(answer))
-        if question is None or answer is None or not str(question).strip() or not str(answer).strip():
-            continue  # rows without a question or a checkable answer cannot be rewarded
-        out.append(Problem(i, str(question).strip() + MATH_INSTRUCTION, str(answer).strip(), "math", 0, trace.strip()))
+            trace = str(row.get(trace_key) or "") if trace_key else trace
+        if question is not None and answer is not None and str(question).strip() and str(answer).strip():
+            out.append(Problem(i, str(question).strip() + (MATH_INSTRUCTION if answer_fn else CODE_INSTRUCTION),
+                               str(answer).strip(), "math" if answer_fn else "code", 0, trace.strip()))
+    if not out and answer_fn is None:
+        raise ValueError(f"dataset {source!r}: no row has stdin/stdout tests in its {answer_key!r} column")
     return out
+
+
+def _reasoning_gym(source, size, seed, options):
+    """Problems of the reasoning-gym task "rg:<name>" with `options` (its config's fields), each scored by the task."""
+    from reasoning_gym.factory import DATASETS, create_dataset
+    name, tasks = source[3:], sorted(DATASETS)
+    if name not in tasks:
+        raise ValueError(f"unknown reasoning-gym task {name!r}; {len(tasks)} tasks, e.g. "
+                         f"{', '.join(difflib.get_close_matches(name, tasks, 6) or tasks[:8])}")
+    known = [f.name for f in dataclasses.fields(DATASETS[name][1]) if f.name not in ("size", "seed")]
+    if set(options) - set(known):
+        raise ValueError(f"reasoning-gym task {name!r} has no option {sorted(set(options) - set(known))}; its "
+                         f"options: {', '.join(known)}")
+    try:
+        dataset = create_dataset(name, size=size, seed=seed, **options)
+    except Exception as e:  # a bad value: the task's own message
+        why = (str(e) or repr(e)).splitlines()[0][:160]
+        raise ValueError(f"reasoning-gym task {name!r} with options {options}: {why}") from None
+    problems = []
+    for i in range(len(dataset)):
+        entry = dataset[i]
+        problems.append(Problem(i, entry["question"] + RG_INSTRUCTION, str(entry["answer"]), source))
+        _RG_ENTRIES[problems[-1]] = (dataset, entry)
+    return problems
 
 
 def _split(problems, n_val, n_train, seed, source):
@@ -480,47 +456,46 @@ def _split(problems, n_val, n_train, seed, source):
     return train[:n_train] if n_train is not None else train, val
 
 
-def load_problems(source, n_val=1000, seed=0, n_train=None, prompt_key=None, answer_key=None, **kw):
+def load_problems(source, n_val=1000, seed=0, n_train=None, prompt_key=None, answer_key=None, data_path=None,
+                  rg_options=None, **kw):
     """(train, val) lists of Problem; val has n_val prompts whose ids and questions never appear in train.
 
-    source: "arith" or "code" (kw: levels, error_rate; n_train defaults to 5000), "rg:<task>" (kw: the task's
-    reasoning-gym options; n_train defaults to 5000), "polaris" / "gsm8k" / "math" / "deepcoder" (kw
-    data_path=FILE reads a local copy with the preset's columns), a hub dataset name (kw: config, split,
-    trace_key) or a local .json/.jsonl/.parquet file (code when it has a `tests` column).
+    source: "arith" or "code", the built-in tasks (kw: levels, error_rate); "rg:<task>", a reasoning-gym task (its
+    options as rg_options={...} or as kw); for both, n_train defaults to 5000. Or a preset "polaris", "gsm8k",
+    "math" or "deepcoder" (data_path=FILE reads a local copy), a hub dataset "owner/name" (offline: from the local
+    cache only) or a .json/.jsonl/.parquet file: prompt_key/answer_key override the question and answer columns,
+    kw trace_key names a column of worked solutions, config/split pick the hub's; rows with `tests` are code.
     """
+    rg, is_file = source.startswith("rg:"), source.endswith(FILE_TYPES)
+    allowed = (("levels", "error_rate") if source in ("arith", "code") else ("rg_options",) if rg else
+               ("prompt_key", "answer_key", "data_path", "config", "split", "trace_key"))
+    given = {k for k, v in dict(prompt_key=prompt_key, answer_key=answer_key, data_path=data_path,
+                                rg_options=rg_options).items() if v is not None} | (set() if rg else set(kw))
+    if given - set(allowed):
+        raise ValueError(f"unknown options for source {source!r}: {sorted(given - set(allowed))}; expected "
+                         f"{', '.join(allowed)}")
     if source in ("arith", "code"):  # the built-in tasks
-        extra = set(kw) - {"levels", "error_rate"}
-        if extra:
-            raise ValueError(f"unknown options for source {source!r}: {sorted(extra)}; expected levels, error_rate")
         make = arith_problems if source == "arith" else code_problems
         val = make(n_val, seed, split="val", start_id=0, **kw)
         return make(5000 if n_train is None else n_train, seed, split="train", start_id=n_val, **kw), val
-    if source.startswith("rg:"):
-        import reasoning_gym
-        name, n_train = source[3:], 5000 if n_train is None else n_train
-        try:
-            dataset = reasoning_gym.create_dataset(name, size=n_val + n_train, seed=seed, **kw)
-        except Exception as e:
-            raise ValueError(f"cannot create reasoning-gym task {name!r}: {str(e)[:200]}") from None
-        problems = []
-        for i in range(len(dataset)):
-            entry = dataset[i]
-            problems.append(Problem(i, entry["question"] + RG_INSTRUCTION, str(entry["answer"]), source))
-            _RG_ENTRIES[problems[-1]] = (dataset, entry)
+    if rg:
+        n_train = 5000 if n_train is None else n_train
+        problems = _reasoning_gym(source, n_val + n_train, seed, {**(rg_options or {}), **kw})
         return _split(problems, n_val, n_train, seed, source)
-    known = {"data_path", "config", "split", "trace_key"}
-    if set(kw) - known:
-        raise ValueError(f"unknown options for source {source!r}: {sorted(set(kw) - known)}; expected {sorted(known)}")
-    preset = PRESETS.get(source, dict(hub=source, config=kw.get("config"), split=kw.get("split", "train"),
-                                      prompt_key="problem", answer_key="answer", answer_fn=None))
-    prompt_key, answer_key = prompt_key or preset["prompt_key"], answer_key or preset["answer_key"]
-    path = kw.get("data_path") or (source if source.endswith((".json", ".jsonl", ".parquet")) else None)
-    rows = _read_rows(path) if path else _read_hub(source, preset["hub"], preset["config"], preset["split"])
-    if rows and "tests" in rows[0]:  # DeepCoder-style: stdin/stdout tests, checked by running the program
-        return _split(_code_rows(rows, source, prompt_key), n_val, n_train, seed, source)
-    if importlib.util.find_spec("math_verify") is None:  # else every math reward would quietly fail
+    if source not in PRESETS and not is_file and ("/" not in source or os.path.exists(source)):
+        raise ValueError(f"unknown source {source!r}: expected arith, code, rg:<task> (a reasoning-gym task), a preset "
+                         f"({', '.join(PRESETS)}; --data_path=FILE reads a local copy), a hub dataset owner/name or a "
+                         f"file path ending .json/.jsonl/.parquet")
+    hub, config, prompt_col, answer_col, answer_fn = PRESETS.get(source, (source, None, "problem", "answer",
+                                                                          _gsm8k_answer))
+    rows = _read_rows(source, data_path or (source if is_file else None), hub, kw.get("config", config),
+                      kw.get("split", "train"))
+    if answer_fn is None or rows and "tests" in rows[0] and answer_key in (None, "tests"):  # DeepCoder-style
+        answer_col, answer_fn = "tests", None
+    elif importlib.util.find_spec("math_verify") is None:  # else every math reward would quietly fail
         raise ValueError(f"source {source!r} is checked with math-verify: pip install math-verify")
-    problems = _rows_to_problems(rows, source, prompt_key, answer_key, kw.get("trace_key"), preset["answer_fn"])
+    problems = _rows_to_problems(rows, source, prompt_key or prompt_col, answer_key or answer_col,
+                                 kw.get("trace_key"), answer_fn)
     return _split(problems, n_val, n_train, seed, source)
 
 
@@ -530,7 +505,7 @@ def combine(parts):
     for part_train, part_val in parts:
         if train or val:
             shift = max(p.id for p in train + val) + 1
-            renamed = {p: replace(p, id=p.id + shift) for p in part_train + part_val}
+            renamed = {p: dataclasses.replace(p, id=p.id + shift) for p in part_train + part_val}
             _RG_ENTRIES.update({renamed[p]: _RG_ENTRIES[p] for p in renamed if p in _RG_ENTRIES})
             part_train, part_val = [renamed[p] for p in part_train], [renamed[p] for p in part_val]
         train, val = train + part_train, val + part_val
@@ -640,8 +615,7 @@ class MixedPool:
 
 
 def make_pool(problems, tasks, code_frac=0.5, **pool_kw):
-    """The curriculum for `tasks`: one PromptPool, or for a mixture a MixedPool in which code takes `code_frac` of
-    the prompts and the other tasks share the rest equally."""
+    """One PromptPool, or for several tasks a MixedPool: code takes `code_frac`, the others share the rest equally."""
     if len(tasks) == 1:
         return PromptPool(problems, **pool_kw)
     others = [t for t in tasks if t != "code"]
@@ -824,8 +798,7 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--math-worker"]:
         _math_worker_loop()
     else:
-        for p in arith_problems(5, seed=0, error_rate=0.2):
-            print(f"level {p.level} ok={trace_is_correct(p)} {format_prompt(p.question)!r} -> {format_target(p)!r}")
+        for p in arith_problems(5, seed=0, error_rate=0.2) + code_problems(3, seed=0, error_rate=0.3):
+            print(f"{p.task} level {p.level}: {format_prompt(p.question)!r} -> {format_target(p)!r}"
+                  + (f", tests {p.answer}" if p.task == "code" else ""))
         print(f"ARITH_CHARS ({len(ARITH_CHARS)}): {ARITH_CHARS!r}")
-        for p in code_problems(3, seed=0, error_rate=0.3):
-            print(f"code level {p.level} {format_prompt(p.question)!r} -> {format_target(p)!r}, tests {p.answer}")

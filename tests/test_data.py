@@ -10,13 +10,24 @@ import pytest
 
 import data
 from data import (ARITH_CHARS, INTERRUPT_PHRASE, THINK_CLOSE, THINK_OPEN, Problem, PromptPool, arith_problems,
-                  extract_answer, format_prompt, format_target, load_problems, reward, trace_errors,
-                  trace_is_correct)
+                  extract_answer, format_prompt, format_target, load_problems, reward)
 
 
 def naive_steps(p):
     """(a, b, c) of every step, parsed independently of data.py."""
     return [tuple(map(int, re.fullmatch(r"(\d+)\+(\d+)=(\d+)", s).groups())) for s in p.trace.split(",")]
+
+
+def trace_errors(p):
+    """Indices of the trace steps whose arithmetic is wrong or that do not follow the question's chain."""
+    terms, steps = [int(t) for t in p.question.split("+")], p.trace.split(",") if p.trace else []
+    bad, total = [], terms[0]
+    for k in range(len(terms) - 1):
+        m = re.fullmatch(r"(\d+)\+(\d+)=(\d+)", steps[k]) if k < len(steps) else None
+        if m is None or (int(m[1]), int(m[2])) != (total, terms[k + 1]) or int(m[1]) + int(m[2]) != int(m[3]):
+            bad.append(k)
+        total = int(m[3]) if m else total + terms[k + 1]
+    return bad + list(range(len(terms) - 1, len(steps)))  # extra steps are errors too
 
 
 # --- the built-in task ------------------------------------------------------------------------------
@@ -41,7 +52,7 @@ def test_arith_levels_answers_and_traces():
         for (a, b, c), t in zip(steps, terms[1:]):  # every step is the running sum plus the next term
             assert (a, b, c) == (total, t, total + t)
             total = c
-        assert trace_is_correct(p) and trace_errors(p) == []
+        assert trace_errors(p) == []
         assert format_target(p) == p.trace + THINK_CLOSE + p.answer
     mean_len = {L: sum(len(p.trace) for p in probs if p.level == L) / 100 for L in (1, 3, 5)}
     assert mean_len[1] < mean_len[3] < mean_len[5]  # thinking grows with the level
@@ -56,7 +67,7 @@ def test_arith_imperfect_traces_exactly_where_slipped():
     for c, lo, hi in zip(clean, low, high):
         assert c.question == lo.question == hi.question and c.answer == hi.answer  # answer stays the true sum
         bad = [k for k, (a, b, r) in enumerate(naive_steps(hi)) if a + b != r]
-        assert trace_errors(hi) == bad and trace_is_correct(hi) == (not bad)
+        assert trace_errors(hi) == bad
         assert set(trace_errors(lo)) <= set(bad)  # slips at a lower rate are a subset
         for k, ((_, _, r0), (_, _, r)) in enumerate(zip(naive_steps(c), naive_steps(hi))):
             if r0 != r:  # the first step that differs from the clean trace is the first slip
@@ -265,7 +276,72 @@ def test_unreachable_hub_fails_fast(source):
         load_problems(source, n_val=10)
     msg = str(err.value)
     assert time.time() - t < 10 and "\n" not in msg
-    assert repr(source) in msg and "data_path=" in msg
+    assert repr(source) in msg and "--data_path=FILE" in msg
+
+
+# --- bring your own data: local copies, column names, reasoning-gym options ----------------------
+
+GSM_ROWS = [{"question": f"Sam sells {i} boxes of 1,000 pens and 234 more pens. How many pens?",
+             "answer": f"{i} boxes hold {i},000 pens.\n{i},000 + 234 = {i},234\n#### {i},234"} for i in range(1, 11)]
+
+
+@pytest.mark.parametrize("as_preset", [True, False])
+def test_gsm8k_worked_solutions(tmp_path, as_preset):
+    path = write(tmp_path / "gsm.jsonl", GSM_ROWS, "jsonl")
+    train, val = load_problems("gsm8k", data_path=path, n_val=2) if as_preset else load_problems(
+        path, n_val=2, prompt_key="question")  # a plain file: an answer with #### is read as a GSM8K solution
+    p = next(p for p in train + val if p.question.startswith("Sam sells 1 boxes"))
+    assert p.answer == "1234" and p.trace.endswith("1,000 + 234 = 1,234") and p.task == "math"
+    assert reward(p, "</think>\\boxed{1234}") == 1.0 and reward(p, "</think>1234") == 1.0
+    assert reward(p, "</think>\\boxed{12}") == -1.0 and reward(p, "</think>\\boxed{1,000}") == -1.0
+    assert {q.answer for q in train + val} == {f"{i}234" for i in range(1, 11)}
+
+
+def test_columns_and_sources_errors_list_the_choices(tmp_path):
+    path = write(tmp_path / "d.jsonl", [{"q": "1+1?", "a": "2", "extra": 0}] * 3, "jsonl")
+    for kw, missing in ((dict(), "'problem'"), (dict(prompt_key="q"), "'answer'"),
+                        (dict(prompt_key="q", answer_key="ans"), "'ans'")):
+        with pytest.raises(ValueError) as err:
+            load_problems(path, n_val=1, **kw)
+        msg = str(err.value)
+        assert f"no column {missing}" in msg and "['a', 'extra', 'q']" in msg and "--prompt_key/--answer_key" in msg
+    with pytest.raises(ValueError, match="no column 'question'"):
+        load_problems("gsm8k", data_path=path, n_val=1)  # a preset's columns apply to its local copy
+    (tmp_path / "d.csv").write_text("q,a\n")
+    for source in ("gsm8", "polars", "my.csv", str(tmp_path / "d.csv")):  # a name not known, a file not readable
+        with pytest.raises(ValueError) as err:
+            load_problems(source, n_val=1)
+        msg = str(err.value)
+        assert "\n" not in msg and repr(source) in msg
+        assert all(name in msg for name in ("polaris", "gsm8k", "math", "deepcoder", "rg:<task>", ".jsonl", ".parquet"))
+    with pytest.raises(ValueError, match="not a .json, .jsonl or .parquet file"):
+        load_problems("gsm8k", data_path=str(tmp_path / "d.csv"))
+    with pytest.raises(ValueError, match=r"unknown options for source 'arith': \['data_path'\]"):
+        load_problems("arith", n_val=2, data_path=path)
+    with pytest.raises(ValueError, match=r"unknown options for source 'rg:chain_sum': \['prompt_key'\]"):
+        load_problems("rg:chain_sum", n_val=2, prompt_key="q")
+    with pytest.raises(ValueError, match="rg_options"):
+        load_problems(path, n_val=1, prompt_key="q", answer_key="a", rg_options={"min_terms": 2})
+
+
+def test_reasoning_gym_options_and_errors():
+    by_dict = load_problems("rg:chain_sum", n_val=5, n_train=20, rg_options=dict(min_terms=4, max_terms=4))
+    by_kw = load_problems("rg:chain_sum", n_val=5, n_train=20, min_terms=4, max_terms=4)
+    assert by_dict == by_kw and by_dict != load_problems("rg:chain_sum", n_val=5, n_train=20)
+    for p in by_dict[1]:
+        assert p.question.count("+") + p.question.count("-") >= 3  # 4 terms
+        assert reward(p, f"</think>{p.answer}") == 1.0
+    errors = {}
+    for source, kw in (("rg:chain_sum", dict(rg_options={"min_term": 2})), ("rg:chain_sum", dict(nope=1)),
+                       ("rg:chain_sum", dict(min_terms=5, max_terms=2)), ("rg:chain_summ", {}), ("rg:no_such", {})):
+        with pytest.raises(ValueError) as err:
+            load_problems(source, n_val=2, n_train=2, **kw)
+        errors[source + str(kw)] = msg = str(err.value)
+        assert "\n" not in msg and source[3:] in msg
+    msgs = list(errors.values())
+    assert "['min_term']" in msgs[0] and "min_terms, max_terms" in msgs[0] and "['nope']" in msgs[1]
+    assert "max_terms must be >= min_terms" in msgs[2]
+    assert "chain_sum" in msgs[3] and "tasks, e.g." in msgs[4]  # a close match, else a few of the valid names
 
 
 # --- PromptPool -------------------------------------------------------------------------------------
