@@ -26,7 +26,6 @@ Run it:
       scalerl.py --gen_ranks=6                # and node_rank=1 on the other node: ranks 0-1 train (FSDP2), 2-7 generate
 """
 from dataclasses import dataclass, fields, asdict
-import contextlib
 import copy
 import difflib
 import importlib.util
@@ -34,11 +33,8 @@ import inspect
 import json
 import math
 import os
-import platform
 import random
 import re
-import shutil
-import subprocess
 import sys
 import time
 
@@ -50,6 +46,7 @@ import losses
 import pipeline_rl
 import sigmoid_fit
 import trainer
+from trainer import fail, print0
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Config: one dataclass, presets as override dicts, then --key=value.
@@ -170,12 +167,6 @@ CHOICES = dict(dtype=("float32", "bfloat16"), engine=("torch", "vllm"), off_poli
                loss=tuple(losses.LOSSES), agg=("prompt", "sample", "token"), adv_norm=("batch", "prompt", "none"))
 
 
-def fail(msg):
-    """A one-line error a user can act on, and a non-zero exit."""
-    print(f"error: {msg}", file=sys.stderr)
-    raise SystemExit(2)
-
-
 def usage():
     """--help: every option with its default and comment, read from Config's source (one source of truth)."""
     lines = ["usage: python scalerl.py [--config NAME] [--key=value ...]  (the same under torchrun)", "",
@@ -291,8 +282,10 @@ def validate(cfg):
     if not 0 < cfg.npr_threshold <= 1 or not 0 <= cfg.sft_error_rate < 1:
         fail("--npr_threshold must be in (0, 1] and --sft_error_rate in [0, 1)")
     try:
-        assert isinstance(json.loads(cfg.task_options or "{}"), dict)
-    except (ValueError, AssertionError):
+        options = json.loads(cfg.task_options or "{}")
+    except ValueError:
+        options = None
+    if not isinstance(options, dict):
         fail(f"--task_options={cfg.task_options!r} is not a JSON object; write it like '{{\"min_words\": 5}}'")
     if cfg.tracker != "none" and importlib.util.find_spec(cfg.tracker) is None:
         fail(f"--tracker={cfg.tracker} needs the {cfg.tracker} package: pip install {cfg.tracker}")
@@ -318,7 +311,7 @@ def main(cfg):
         trainer.warm_start(cfg, model, tok, os.path.dirname(os.path.normpath(cfg.out_dir)) or ".")
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
     if ckpt:  # resuming: the checkpoint's weights replace the warm start (or the hub's weights)
-        with fits(ckpt_path):
+        with trainer.fits(ckpt_path):
             model.load_state_dict(ckpt["model"])
     if resume_point or cfg.model == "tiny":
         pipeline_rl.broadcast_from_rank0(job, model)  # every rank starts from rank 0's weights
@@ -353,9 +346,9 @@ def main(cfg):
     source = pipeline_rl.Scheduler(rollouts, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
                                    group_size=cfg.group_size, decode_per_step=cfg.decode_per_step) if job.world == 1 \
         else pipeline_rl.TrainerLink(job, k=cfg.max_lag, batch_prompts=cfg.batch_prompts)
-    step, clock = restore_trainer(cfg, ckpt, resume_point, job, policy, opt, source, rollouts)
+    step, clock = trainer.restore_trainer(cfg, ckpt, resume_point, job, policy, opt, source, rollouts)
     if job.rank == 0:
-        log = open_log(cfg, job, step, n_params, tok)
+        log = trainer.open_log(cfg, job, step, n_params, tok)
         describe(cfg, job, n_params, len(train), len(val))
     task_of = {p.id: p.task for p in train} if len(tasks) > 1 else {}
 
@@ -363,7 +356,7 @@ def main(cfg):
         eval_engine.load_weights(weights, source.version)
         pr = evaluate(eval_engine, scorer, held_out, cfg.eval_samples, cfg.seed + 7919 * step, tasks, step == 0)
         log(dict(step=step, **clock, **pr, eval=True))
-        return f"held-out pass rate {pr['pass_rate']:.3f}{per_task(pr, 'pass_rate', tasks)}"
+        return f"held-out pass rate {pr['pass_rate']:.3f}{trainer.per_task(pr, 'pass_rate', tasks)}"
 
     # -- the loop: the same for one process and for every trainer rank under torchrun ----------------------------
     weights = trainer.full_state_dict(model)  # full weights (FSDP2: gathered on every trainer rank)
@@ -371,7 +364,7 @@ def main(cfg):
         opt_state = trainer.optimizer_state(job, policy, opt)  # every trainer rank (FSDP2 gathers)
         if job.rank == 0:
             print(f"step    0 | {evaluate_now(weights)} (before RL: R0)")
-            save_checkpoint(ckpt_path, weights, opt_state, step, clock, source, job, rollouts)
+            trainer.save_checkpoint(ckpt_path, weights, opt_state, step, clock, source, job, rollouts)
     t_loop, first, eval_s, bad_run, idle = time.time(), step, 0.0, 0, 0  # bad_run, idle: steps in a row
     while step < cfg.max_steps:
         t0, c0, gen0 = time.time(), time.process_time(), source.totals()
@@ -389,14 +382,14 @@ def main(cfg):
         save = step % cfg.ckpt_every == 0 or step == cfg.max_steps or bad_run >= cfg.max_nonfinite
         opt_state = trainer.optimizer_state(job, policy, opt) if save else None  # every trainer rank (FSDP2 gathers)
         if job.rank == 0:
-            row = metrics_row(step, clock, batch, stats, source.totals(), gen0, dt, t_train,
-                              max(len(job.generators), 1), source, task_of)
+            row = trainer.metrics_row(step, clock, batch, stats, source.totals(), gen0, dt, t_train,
+                                      max(len(job.generators), 1), source, task_of)
             log(row)
             idle = idle + 1 if row["zero_var_frac"] == 1 else 0  # no group with a learning signal
-            if idle == NO_SIGNAL_STEPS:
-                print(no_signal(row, cfg), flush=True)
+            if idle == trainer.NO_SIGNAL_STEPS:
+                print(trainer.no_signal(row, cfg), flush=True)
             eta = (time.time() - t_loop - eval_s) / (step - first) * (cfg.max_steps - step)
-            line = progress_line(row, cfg.max_steps, eta, tasks)
+            line = trainer.progress_line(row, cfg.max_steps, eta, tasks)
             if not stats["finite"]:
                 line += f" | non-finite loss or gradients: step skipped ({bad_run} in a row)"
             if step % cfg.eval_every == 0 or step == cfg.max_steps:
@@ -405,12 +398,12 @@ def main(cfg):
                 eval_s += time.time() - te
             print(line, flush=True)
             if save:  # after skipped steps the weights are still the last good ones
-                save_checkpoint(ckpt_path, weights, opt_state, step, clock, source, job, rollouts)
+                trainer.save_checkpoint(ckpt_path, weights, opt_state, step, clock, source, job, rollouts)
         if bad_run >= cfg.max_nonfinite:
             break
     source.close()
     if job.rank == 0:
-        print(f"policy at step {step} written to {export_hf(cfg, model, tok, weights)} (from_pretrained, vLLM)")
+        print(f"policy at step {step} written to {trainer.export_hf(cfg, model, tok, weights)} (from_pretrained, vLLM)")
     pipeline_rl.dist_cleanup(job)
     if job.rank == 0:
         finish(cfg, step, bad_run, tasks, t_start)
@@ -552,16 +545,16 @@ def evaluate_or_export(cfg):
     else --model's own (an exported hf/ directory, say). --eval_only prints the held-out pass rate and appends it to
     out_dir/evals.jsonl; the seed is the one the run's evaluation at that step used, so the numbers agree."""
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
-    ckpt = load_checkpoint(ckpt_path) if os.path.exists(ckpt_path) else None
+    ckpt = trainer.load_checkpoint(ckpt_path) if os.path.exists(ckpt_path) else None
     if cfg.export and not ckpt:
         fail(f"--export: no checkpoint at {ckpt_path}; pass the --out_dir of a run")
     train, val, tasks = load_data(cfg)
     model, tok = load_model(cfg, tasks)
     if ckpt:
-        with fits(ckpt_path):
+        with trainer.fits(ckpt_path):
             model.load_state_dict(ckpt["model"])
     if cfg.export:
-        return print(f"policy at step {ckpt['step']} written to {export_hf(cfg, model, tok, model.state_dict())}")
+        return print(f"policy at step {ckpt['step']} written to {trainer.export_hf(cfg, model, tok, model.state_dict())}")
     model.to("cuda" if torch.cuda.is_available() else "cpu")
     step, engine = ckpt["step"] if ckpt else 0, make_engine(cfg, model, tok, cfg.seed + 1)
     scorer = pipeline_rl.Rollouts(engine, None, tok, cfg.max_prompt)
@@ -573,189 +566,8 @@ def evaluate_or_export(cfg):
     os.makedirs(cfg.out_dir, exist_ok=True)
     with open(os.path.join(cfg.out_dir, "evals.jsonl"), "a") as f:
         f.write(json.dumps(row) + "\n")
-    print(f"held-out pass rate {pr['pass_rate']:.3f}{per_task(pr, 'pass_rate', tasks)} (mean@{cfg.eval_samples}, "
+    print(f"held-out pass rate {pr['pass_rate']:.3f}{trainer.per_task(pr, 'pass_rate', tasks)} (mean@{cfg.eval_samples}, "
           f"{len(val)} prompts, step {step}) in {time.time() - t0:.0f}s; appended to {cfg.out_dir}/evals.jsonl")
-
-
-def export_hf(cfg, model, tok, weights):
-    """The policy as a Hugging Face model directory, out_dir/hf: safetensors weights in the body dtype, config and
-    tokenizer (chat template included), for `from_pretrained` and vLLM. Written beside the old one, then swapped in."""
-    from transformers.utils import logging
-    logging.disable_progress_bar()
-    path = os.path.join(cfg.out_dir, "hf")
-    shutil.rmtree(path + ".tmp", ignore_errors=True)
-    model.save_pretrained(path + ".tmp", state_dict={k: v.to(getattr(torch, cfg.dtype)) for k, v in weights.items()})
-    tok.save_pretrained(path + ".tmp")
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(path + ".tmp", path)
-    return path
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Run directory: config.json, metrics.jsonl (append-only, flushed per line), ckpt.pt (atomic)
-
-
-def atomic_save(obj, path):
-    torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)  # the previous checkpoint stays valid until the new one is complete
-
-
-def load_checkpoint(path, want=("model", "opt", "step", "device_hours", "version", "stale", "torch_rng")):
-    """A checkpoint's contents (plain tensors and containers only); a one-line exit if it is unreadable or foreign."""
-    try:
-        ckpt = torch.load(path, weights_only=True)
-    except Exception as e:  # noqa: BLE001 -- truncated, garbage or unsafe pickles all mean: not usable
-        fail(f"checkpoint {path} is unreadable ({type(e).__name__}); restore a good copy or start a fresh --out_dir")
-    missing = sorted(set(want) - set(ckpt)) if isinstance(ckpt, dict) else "everything"
-    if missing:
-        fail(f"{path} is not a scalerl checkpoint (missing {missing}); start a fresh --out_dir")
-    return ckpt
-
-
-@contextlib.contextmanager
-def fits(path):
-    """Restoring from the checkpoint at `path`: state that does not fit this run ends it with one line."""
-    try:
-        yield
-    except (RuntimeError, ValueError, KeyError, TypeError) as e:
-        fail(f"checkpoint {path} does not fit this run ({' '.join(str(e).split())[:240]}); resume with the options "
-             "it was written with (config.json) or start a fresh --out_dir")
-
-
-def save_checkpoint(path, weights, opt_state, step, clock, source, job, rollouts=None):
-    """Everything --resume needs from the trainer; in one process also the generating side's state (under torchrun
-    each generator rank keeps its own, generator<rank>.pt)."""
-    ckpt = dict(model=weights, opt=opt_state, step=step, version=source.version, stale=source.dropped_stale,
-                torch_rng=torch.get_rng_state(), world=job.world, generators=job.generators, **clock)
-    if job.world == 1:
-        ckpt["generating"] = rollouts.state_dict()
-    atomic_save(ckpt, path)
-
-
-def read_metrics(path, upto_step):
-    """Rows of an existing log up to `upto_step` (a torn last line from a kill mid-write is dropped)."""
-    rows = []
-    if os.path.exists(path):
-        for line in open(path):
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                break
-            if row["step"] <= upto_step:
-                rows.append(row)
-    return rows
-
-
-def open_log(cfg, job, step, n_params, tok):
-    """The run's record: config.json (the options, versions, git hash, ranks, and a history entry per start or
-    resume) and metrics.jsonl, cut back to `step` (rows logged after the checkpoint are dropped, so a resumed log
-    continues seamlessly); returns a row writer (which also feeds --tracker)."""
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    path, meta_path = os.path.join(cfg.out_dir, "metrics.jsonl"), os.path.join(cfg.out_dir, "config.json")
-    rows = read_metrics(path, step) if cfg.resume else []  # a fresh start over a failed one starts a fresh log
-    with open(path + ".tmp", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-    os.replace(path + ".tmp", path)
-    versions = dict(python=platform.python_version(), torch=torch.__version__,
-                    transformers=__import__("transformers").__version__)
-    if cfg.engine == "vllm":
-        versions["vllm"] = __import__("vllm").__version__
-    git = None
-    with contextlib.suppress(Exception):  # no git is fine: the hash is informational
-        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
-    history = []
-    if cfg.resume:
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            history = json.load(open(meta_path))["history"]
-    history.append(dict(step=step, time=time.strftime("%Y-%m-%d %H:%M:%S"), argv=sys.argv[1:], git=git))
-    meta = dict(config=asdict(cfg), versions=versions, git=git, n_params=n_params, vocab=len(tok),
-                ranks=dict(trainers=job.trainers, generators=job.generators), history=history)
-    with open(meta_path + ".tmp", "w") as f:
-        json.dump(meta, f, indent=1)
-    os.replace(meta_path + ".tmp", meta_path)
-    log, track = open(path, "a", buffering=1), tracker(cfg)
-    return lambda row: (log.write(json.dumps(row) + "\n"), track(row))
-
-
-def tracker(cfg):
-    """--tracker: every metrics row also goes to TensorBoard (out_dir/tensorboard) or Weights & Biases (project
-    "scalerl", the run named after out_dir). Optional and off by default: metrics.jsonl stays the record."""
-    numbers = lambda row: {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}  # noqa: E731
-    if cfg.tracker == "tensorboard":
-        from torch.utils.tensorboard import SummaryWriter
-        writer = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"), flush_secs=10)
-
-        def write(row):
-            for key, value in numbers(row).items():
-                writer.add_scalar(key, value, row["step"])
-            writer.flush()
-        return write
-    if cfg.tracker == "wandb":
-        import wandb
-        run = wandb.init(project="scalerl", name=os.path.basename(os.path.normpath(cfg.out_dir)), config=asdict(cfg),
-                         dir=cfg.out_dir, resume="allow", id=re.sub(r"\W", "-", os.path.abspath(cfg.out_dir))[-64:])
-        return lambda row: run.log(numbers(row), step=row["step"])
-    return lambda row: None
-
-
-def metrics_row(step, clock, batch, stats, gen, gen0, dt, t_train, n_gen, source, task_of):
-    """The step's line of metrics.jsonl (every key is in the README's glossary)."""
-    samples = [s for g in batch.groups for s in g]
-    gen_s = gen["gen_s"] - gen0["gen_s"]  # seconds spent generating during the step (all generator ranks)
-    row = dict(step=step, **clock, policy_version=source.version, reward=float(np.mean([s.reward for s in samples])),
-               loss=stats["loss"], clip_frac=stats["clip_frac"], ratio_mean=stats["ratio_mean"],
-               ratio_max=stats["ratio_max"], mismatch_kl=stats["mismatch_kl"], lag_mean=batch.lag_mean,
-               lag_max=batch.lag_max, mixed_version_frac=float(np.mean([len(set(s.versions)) > 1 for s in samples])),
-               dropped_stale=source.dropped_stale,
-               trunc_rate=float(np.mean([s.interrupted or s.truncated for s in samples])),
-               zero_var_frac=1 - len(batch.kept) / len(batch.groups), npr_removed=gen["npr_removed"],
-               epoch=gen["epoch"], gen_tok_s=(gen["tokens"] - gen0["tokens"]) / max(gen_s, 1e-9),
-               gen_busy=gen_s / (dt * n_gen), train_tok_s=stats["n_tokens"] / max(t_train, 1e-9),
-               train_busy=t_train / dt, train_tokens=stats["n_tokens"], lr=stats["lr"], dt=dt,
-               skipped_nonfinite=int(not stats["finite"]), reward_errors=gen["reward_errors"],
-               bad_prompts=gen["bad_prompts"])
-    for t in dict.fromkeys(task_of.values()):  # with several tasks: the mean reward of each task's completions
-        mine = [s.reward for s in samples if task_of[s.prompt_id] == t]
-        if mine:
-            row[f"reward_{t}"] = float(np.mean(mine))
-    return row
-
-
-def per_task(row, key, tasks):
-    """" (arith 0.812, code 0.406)" from the row's <key>_<task> entries; "" with one task."""
-    parts = [f"{t} {row[f'{key}_{t}']:.3f}" for t in tasks if f"{key}_{t}" in row]
-    return f" ({', '.join(parts)})" if parts else ""
-
-
-def print0(*args, **kw):
-    """Print on global rank 0 only (every rank of a torchrun job runs this script)."""
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(*args, **kw)
-
-
-def progress_line(row, max_steps, eta, tasks):
-    """One line per step: reward, loss, clipping, mismatch, lag, truncation, zero-variance share, speeds, time."""
-    return (f"step {row['step']:4d}/{max_steps} | reward {row['reward']:+.3f}{per_task(row, 'reward', tasks)} | loss "
-            f"{row['loss']:+.4f} | clip {row['clip_frac']:.3f} | kl {row['mismatch_kl']:+.1e} | lag "
-            f"{row['lag_mean']:.1f}/{row['lag_max']} | trunc {row['trunc_rate']:.2f} | zv {row['zero_var_frac']:.2f} | "
-            f"gen {row['gen_tok_s']:.0f} tok/s | train {row['train_tok_s']:.0f} tok/s | {row['dt']:.2f}s | eta "
-            f"{eta / 60:.1f}m")
-
-
-NO_SIGNAL_STEPS = 5  # steps in a row without a group to learn from before the run says so
-
-
-def no_signal(row, cfg):
-    """The warning for a run that learns nothing: every group of the last NO_SIGNAL_STEPS steps had equal rewards."""
-    if row["trunc_rate"] > 0.5:
-        why = (f"{row['trunc_rate']:.0%} of completions hit the length budget (--think_max={cfg.think_max}, "
-               f"--answer_budget={cfg.answer_budget}): raise them, or check that the model closes its thinking")
-    elif row["reward"] < 0:
-        why = ("every completion failed: check that the model writes its answer after </think> in the form the task's "
-               "checker reads (data.reward), and the dataset's answers (--answer_key)")
-    else:
-        why = "every completion passed: the prompts are too easy for this model; pick a harder --task"
-    return f"warning: no learning signal for {NO_SIGNAL_STEPS} steps (every group zero-variance): {why}"
 
 
 def describe(cfg, job, n_params, n_train, n_val):
@@ -780,14 +592,14 @@ def start(cfg):
     dropped as stale) shared with every rank. Returns (Dist, checkpoint on rank 0 or None, resume point or None)."""
     metrics_path, ckpt_path = os.path.join(cfg.out_dir, "metrics.jsonl"), os.path.join(cfg.out_dir, "ckpt.pt")
     rank0 = int(os.environ.get("RANK", 0)) == 0  # the run directory and ckpt.pt live on rank 0's node
-    trained = rank0 and any(r["step"] > 0 for r in read_metrics(metrics_path, math.inf))
+    trained = rank0 and any(r["step"] > 0 for r in trainer.read_metrics(metrics_path, math.inf))
     if rank0 and not cfg.resume and (os.path.exists(ckpt_path) or trained):
         fail(f"run directory {cfg.out_dir} already holds a run; pass --resume to continue it, pick another --out_dir, "
              f"or delete {cfg.out_dir} to start afresh")
     if rank0 and cfg.resume and not os.path.exists(ckpt_path):
         fail(f"--resume: no checkpoint at {ckpt_path}" + (f" (delete {cfg.out_dir}: its rows cannot be continued)"
              if trained else "") + "; start a fresh run without --resume")
-    ckpt = load_checkpoint(ckpt_path) if cfg.resume and rank0 else None
+    ckpt = trainer.load_checkpoint(ckpt_path) if cfg.resume and rank0 else None
     try:
         job = pipeline_rl.dist_init(cfg.gen_ranks, cfg.dist_timeout, cfg.gen_share)  # world 1: one process does all
     except ValueError as e:
@@ -810,29 +622,8 @@ def restore_generator(rollouts, path, version):
     rollouts.engine.version = version
     if not os.path.exists(path):
         return print(f"warning: {path} is missing: this generator rank restarts its curriculum", flush=True)
-    with fits(path):
-        rollouts.load_state_dict(load_checkpoint(path, want=("version",)))
-
-
-def restore_trainer(cfg, ckpt, resume_point, job, policy, opt, source, rollouts):
-    """--resume on a trainer rank: the optimizer state (FSDP2: this rank's shard), the batch source's counters, and in
-    one process the generating side. Returns (step, clock); a fresh run starts at step 0 with a zero clock."""
-    if not resume_point:
-        return 0, dict(device_hours=0.0, cpu_hours=0.0)
-    with fits(os.path.join(cfg.out_dir, "ckpt.pt")):
-        trainer.load_optimizer_state(job, policy, opt, ckpt["opt"] if ckpt else None)
-        if job.world == 1:
-            rollouts.load_state_dict(ckpt["generating"])
-    source.version, source.dropped_stale = resume_point["version"], resume_point["stale"]
-    if job.world == 1:
-        # the groups in flight at the checkpoint are regenerated
-        source.admitted = resume_point["version"] * cfg.batch_prompts + resume_point["stale"]
-        rollouts.engine.version = resume_point["version"]  # it was built from the checkpoint's weights
-    clock = {k: ckpt.get(k, 0.0) if ckpt else 0.0 for k in ("device_hours", "cpu_hours")}  # rank 0 logs it
-    if ckpt:
-        torch.set_rng_state(ckpt["torch_rng"])
-    print0(f"resumed {cfg.out_dir} at step {resume_point['step']} (in-flight completions are regenerated)")
-    return resume_point["step"], clock
+    with trainer.fits(path):
+        rollouts.load_state_dict(trainer.load_checkpoint(path, want=("version",)))
 
 
 def finish(cfg, step, bad_run, tasks, t_start):

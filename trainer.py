@@ -11,18 +11,27 @@
      model), cached.
   6. Under torchrun: FSDP2 over the trainer ranks (`shard`), full weights and optimizer state gathered for weight
      updates and checkpoints, metrics reduced over the ranks.
+  7. The run's record, kept by trainer rank 0: ckpt.pt and what --resume restores from it, config.json (with a
+     history of starts and resumes), metrics.jsonl and its rows, optional --tracker, the policy exported as hf/.
 
 The generating side is pipeline_rl.py; scalerl.py wires the two together.
 """
+from dataclasses import asdict
 import contextlib
 import hashlib
 import inspect
 import json
 import math
 import os
+import platform
 import random
+import re
+import shutil
+import subprocess
+import sys
 import time
 
+import numpy as np
 import torch
 
 import data
@@ -254,3 +263,215 @@ def reduce_metrics(job, sums, maxes):
         dist.all_reduce(s, group=job.groups["trainer"])
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=job.groups["trainer"])
     return dict(zip(sums, s.tolist())), dict(zip(maxes, m.tolist()))
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The run's record, kept by trainer rank 0: ckpt.pt (atomic), config.json, metrics.jsonl (append-only, flushed per
+# line), the policy exported as hf/
+
+
+def fail(msg):
+    """A one-line error a user can act on, and a non-zero exit."""
+    print(f"error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def print0(*args, **kw):
+    """Print on global rank 0 only (every rank of a torchrun job runs this script)."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*args, **kw)
+
+
+def export_hf(cfg, model, tok, weights):
+    """The policy as a Hugging Face model directory, out_dir/hf: safetensors weights in the body dtype, config and
+    tokenizer (chat template included), for `from_pretrained` and vLLM. Written beside the old one, then swapped in."""
+    from transformers.utils import logging
+    logging.disable_progress_bar()
+    path = os.path.join(cfg.out_dir, "hf")
+    shutil.rmtree(path + ".tmp", ignore_errors=True)
+    model.save_pretrained(path + ".tmp", state_dict={k: v.to(getattr(torch, cfg.dtype)) for k, v in weights.items()})
+    tok.save_pretrained(path + ".tmp")
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(path + ".tmp", path)
+    return path
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Run directory: config.json, metrics.jsonl (append-only, flushed per line), ckpt.pt (atomic)
+
+
+def atomic_save(obj, path):
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)  # the previous checkpoint stays valid until the new one is complete
+
+
+def load_checkpoint(path, want=("model", "opt", "step", "device_hours", "version", "stale", "torch_rng")):
+    """A checkpoint's contents (plain tensors and containers only); a one-line exit if it is unreadable or foreign."""
+    try:
+        ckpt = torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001 -- truncated, garbage or unsafe pickles all mean: not usable
+        fail(f"checkpoint {path} is unreadable ({type(e).__name__}); restore a good copy or start a fresh --out_dir")
+    missing = sorted(set(want) - set(ckpt)) if isinstance(ckpt, dict) else "everything"
+    if missing:
+        fail(f"{path} is not a scalerl checkpoint (missing {missing}); start a fresh --out_dir")
+    return ckpt
+
+
+@contextlib.contextmanager
+def fits(path):
+    """Restoring from the checkpoint at `path`: state that does not fit this run ends it with one line."""
+    try:
+        yield
+    except (RuntimeError, ValueError, KeyError, TypeError) as e:
+        fail(f"checkpoint {path} does not fit this run ({' '.join(str(e).split())[:240]}); resume with the options "
+             "it was written with (config.json) or start a fresh --out_dir")
+
+
+def save_checkpoint(path, weights, opt_state, step, clock, source, job, rollouts=None):
+    """Everything --resume needs from the trainer; in one process also the generating side's state (under torchrun
+    each generator rank keeps its own, generator<rank>.pt)."""
+    ckpt = dict(model=weights, opt=opt_state, step=step, version=source.version, stale=source.dropped_stale,
+                torch_rng=torch.get_rng_state(), world=job.world, generators=job.generators, **clock)
+    if job.world == 1:
+        ckpt["generating"] = rollouts.state_dict()
+    atomic_save(ckpt, path)
+
+
+def read_metrics(path, upto_step):
+    """Rows of an existing log up to `upto_step` (a torn last line from a kill mid-write is dropped)."""
+    rows = []
+    if os.path.exists(path):
+        for line in open(path):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            if row["step"] <= upto_step:
+                rows.append(row)
+    return rows
+
+
+def open_log(cfg, job, step, n_params, tok):
+    """The run's record: config.json (the options, versions, git hash, ranks, and a history entry per start or
+    resume) and metrics.jsonl, cut back to `step` (rows logged after the checkpoint are dropped, so a resumed log
+    continues seamlessly); returns a row writer (which also feeds --tracker)."""
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    path, meta_path = os.path.join(cfg.out_dir, "metrics.jsonl"), os.path.join(cfg.out_dir, "config.json")
+    rows = read_metrics(path, step) if cfg.resume else []  # a fresh start over a failed one starts a fresh log
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    os.replace(path + ".tmp", path)
+    versions = dict(python=platform.python_version(), torch=torch.__version__,
+                    transformers=__import__("transformers").__version__)
+    if cfg.engine == "vllm":
+        versions["vllm"] = __import__("vllm").__version__
+    git = None
+    with contextlib.suppress(Exception):  # no git is fine: the hash is informational
+        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    history = []
+    if cfg.resume:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            history = json.load(open(meta_path))["history"]
+    history.append(dict(step=step, time=time.strftime("%Y-%m-%d %H:%M:%S"), argv=sys.argv[1:], git=git))
+    meta = dict(config=asdict(cfg), versions=versions, git=git, n_params=n_params, vocab=len(tok),
+                ranks=dict(trainers=job.trainers, generators=job.generators), history=history)
+    with open(meta_path + ".tmp", "w") as f:
+        json.dump(meta, f, indent=1)
+    os.replace(meta_path + ".tmp", meta_path)
+    log, track = open(path, "a", buffering=1), tracker(cfg)
+    return lambda row: (log.write(json.dumps(row) + "\n"), track(row))
+
+
+def tracker(cfg):
+    """--tracker: every metrics row also goes to TensorBoard (out_dir/tensorboard) or Weights & Biases (project
+    "scalerl", the run named after out_dir). Optional and off by default: metrics.jsonl stays the record."""
+    numbers = lambda row: {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}  # noqa: E731
+    if cfg.tracker == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"), flush_secs=10)
+
+        def write(row):
+            for key, value in numbers(row).items():
+                writer.add_scalar(key, value, row["step"])
+            writer.flush()
+        return write
+    if cfg.tracker == "wandb":
+        import wandb
+        run = wandb.init(project="scalerl", name=os.path.basename(os.path.normpath(cfg.out_dir)), config=asdict(cfg),
+                         dir=cfg.out_dir, resume="allow", id=re.sub(r"\W", "-", os.path.abspath(cfg.out_dir))[-64:])
+        return lambda row: run.log(numbers(row), step=row["step"])
+    return lambda row: None
+
+
+def metrics_row(step, clock, batch, stats, gen, gen0, dt, t_train, n_gen, source, task_of):
+    """The step's line of metrics.jsonl (every key is in the README's glossary)."""
+    samples = [s for g in batch.groups for s in g]
+    gen_s = gen["gen_s"] - gen0["gen_s"]  # seconds spent generating during the step (all generator ranks)
+    row = dict(step=step, **clock, policy_version=source.version, reward=float(np.mean([s.reward for s in samples])),
+               loss=stats["loss"], clip_frac=stats["clip_frac"], ratio_mean=stats["ratio_mean"],
+               ratio_max=stats["ratio_max"], mismatch_kl=stats["mismatch_kl"], lag_mean=batch.lag_mean,
+               lag_max=batch.lag_max, mixed_version_frac=float(np.mean([len(set(s.versions)) > 1 for s in samples])),
+               dropped_stale=source.dropped_stale,
+               trunc_rate=float(np.mean([s.interrupted or s.truncated for s in samples])),
+               zero_var_frac=1 - len(batch.kept) / len(batch.groups), npr_removed=gen["npr_removed"],
+               epoch=gen["epoch"], gen_tok_s=(gen["tokens"] - gen0["tokens"]) / max(gen_s, 1e-9),
+               gen_busy=gen_s / (dt * n_gen), train_tok_s=stats["n_tokens"] / max(t_train, 1e-9),
+               train_busy=t_train / dt, train_tokens=stats["n_tokens"], lr=stats["lr"], dt=dt,
+               skipped_nonfinite=int(not stats["finite"]), reward_errors=gen["reward_errors"],
+               bad_prompts=gen["bad_prompts"])
+    for t in dict.fromkeys(task_of.values()):  # with several tasks: the mean reward of each task's completions
+        mine = [s.reward for s in samples if task_of[s.prompt_id] == t]
+        if mine:
+            row[f"reward_{t}"] = float(np.mean(mine))
+    return row
+
+
+def per_task(row, key, tasks):
+    """" (arith 0.812, code 0.406)" from the row's <key>_<task> entries; "" with one task."""
+    parts = [f"{t} {row[f'{key}_{t}']:.3f}" for t in tasks if f"{key}_{t}" in row]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def progress_line(row, max_steps, eta, tasks):
+    """One line per step: reward, loss, clipping, mismatch, lag, truncation, zero-variance share, speeds, time."""
+    return (f"step {row['step']:4d}/{max_steps} | reward {row['reward']:+.3f}{per_task(row, 'reward', tasks)} | loss "
+            f"{row['loss']:+.4f} | clip {row['clip_frac']:.3f} | kl {row['mismatch_kl']:+.1e} | lag "
+            f"{row['lag_mean']:.1f}/{row['lag_max']} | trunc {row['trunc_rate']:.2f} | zv {row['zero_var_frac']:.2f} | "
+            f"gen {row['gen_tok_s']:.0f} tok/s | train {row['train_tok_s']:.0f} tok/s | {row['dt']:.2f}s | eta "
+            f"{eta / 60:.1f}m")
+
+
+NO_SIGNAL_STEPS = 5  # steps in a row without a group to learn from before the run says so
+
+
+def no_signal(row, cfg):
+    """The warning for a run that learns nothing: every group of the last NO_SIGNAL_STEPS steps had equal rewards."""
+    if row["trunc_rate"] > 0.5:
+        why = (f"{row['trunc_rate']:.0%} of completions hit the length budget (--think_max={cfg.think_max}, "
+               f"--answer_budget={cfg.answer_budget}): raise them, or check that the model closes its thinking")
+    elif row["reward"] < 0:
+        why = ("every completion failed: check that the model writes its answer after </think> in the form the task's "
+               "checker reads (data.reward), and the dataset's answers (--answer_key)")
+    else:
+        why = "every completion passed: the prompts are too easy for this model; pick a harder --task"
+    return f"warning: no learning signal for {NO_SIGNAL_STEPS} steps (every group zero-variance): {why}"
+
+
+def restore_trainer(cfg, ckpt, resume_point, job, policy, opt, source, rollouts):
+    """--resume on a trainer rank: the optimizer state (FSDP2: this rank's shard), the batch source's counters, and in
+    one process the generating side. Returns (step, clock); a fresh run starts at step 0 with a zero clock."""
+    if not resume_point:
+        return 0, dict(device_hours=0.0, cpu_hours=0.0)
+    with fits(os.path.join(cfg.out_dir, "ckpt.pt")):
+        load_optimizer_state(job, policy, opt, ckpt["opt"] if ckpt else None)
+        if job.world == 1:
+            rollouts.load_state_dict(ckpt["generating"])
+    source.version, source.dropped_stale = resume_point["version"], resume_point["stale"]
+    if job.world == 1:
+        # the groups in flight at the checkpoint are regenerated
+        source.admitted = resume_point["version"] * cfg.batch_prompts + resume_point["stale"]
+        rollouts.engine.version = resume_point["version"]  # it was built from the checkpoint's weights
+    clock = {k: ckpt.get(k, 0.0) if ckpt else 0.0 for k in ("device_hours", "cpu_hours")}  # rank 0 logs it
+    if ckpt:
+        torch.set_rng_state(ckpt["torch_rng"])
+    print0(f"resumed {cfg.out_dir} at step {resume_point['step']} (in-flight completions are regenerated)")
+    return resume_point["step"], clock
