@@ -68,13 +68,15 @@ class Engine:
         self.budget_rng = random.Random(seed)   # thinking budgets
         self.stats = dict(decode_steps=0, busy_slot_steps=0, tokens=0, prefills=0)
 
-    def add(self, template, n):  # queue n completions of `template.prompt_tokens`, to finish together as one group
+    def add(self, template, n):
+        """Queue n completions of `template.prompt_tokens`, to finish together as one group."""
         if len(template.prompt_tokens) > self.max_prompt:
             raise ValueError(f"prompt of {len(template.prompt_tokens)} tokens exceeds max_prompt={self.max_prompt}")
         self.groups[template.group] = ([], n)
         self._queue(template, n)
 
-    def generate(self, templates, n):  # n completions of each template, run to completion; groups in template order
+    def generate(self, templates, n):
+        """Run n completions of each template to the end; the groups in template order."""
         for t in templates:
             self.add(t, n)
         out = {}
@@ -82,7 +84,8 @@ class Engine:
             out.update((g[0].group, g) for g in self.step())
         return [out[t.group] for t in templates]
 
-    def state_dict(self):  # the sampler state --resume restores
+    def state_dict(self):
+        """The sampler state --resume restores."""
         return dict(rng=self.rng.get_state(), budget_rng=self.budget_rng.getstate())
 
     def load_state_dict(self, state):
@@ -171,14 +174,16 @@ class TorchEngine(Engine):
         self.waiting.append([template, n, None])
 
     @torch.no_grad()
-    def load_weights(self, source, version):  # in-flight update from `source`, a module or a state dict
+    def load_weights(self, source, version):
+        """In-flight update from `source`, a module or a state dict."""
         weights = source.state_dict() if hasattr(source, "state_dict") else source
         for name, p in self.model.state_dict().items():
             p.copy_(weights[name])
         self.version = version
 
     @torch.no_grad()
-    def step(self):  # fill free slots, advance every running sequence one token; return the groups that finished
+    def step(self):
+        """Fill free slots, advance every running sequence one token; return the groups that finished."""
         done = []
         self._refill(done)
         active = [i for i, run in enumerate(self.slots) if run is not None]
@@ -272,7 +277,8 @@ class Rollouts:
             print(f"warning: skipped prompt {problem.id} ({str(problem.question)[:40]!r}): {type(e).__name__}: "
                   f"{first_line(e)}", flush=True)
 
-    def next_template(self, group):  # the curriculum's next prompt as the template of group number `group`
+    def next_template(self, group):
+        """The curriculum's next prompt as the template of group number `group`."""
         for _ in range(1000):
             problem = self.pool.next()
             if problem.id not in self.bad_prompts and (t := self.template(problem, group)) is not None:
@@ -293,7 +299,8 @@ class Rollouts:
                       f"{type(e).__name__}: {first_line(e)}; counted as -1", flush=True)
             return -1.0
 
-    def score(self, groups):  # rewards every completion of the groups at once: code runs in parallel sandboxes
+    def score(self, groups):
+        """Rewards every completion of the groups at once: code runs in parallel sandboxes."""
         samples = [s for g in groups for s in g]
         for s, r in zip(samples, data.parallel_map(self.reward, samples)):
             s.reward = r
@@ -302,11 +309,13 @@ class Rollouts:
         """Record a scored group (No-Positive-Resampling); True if the zero-variance filter keeps it (Sec. 3.2)."""
         return self.pool.record(group[0].prompt_id, [s.reward for s in group])
 
-    def info(self):  # curriculum and fault counts for the metrics rows
+    def info(self):
+        """Curriculum and fault counts for the metrics rows."""
         return dict(npr_removed=self.pool.npr_removed, epoch=self.pool.epoch, reward_errors=self.reward_errors,
                     bad_prompts=len(self.bad_prompts))
 
-    def state_dict(self):  # what --resume needs from the generating side: curriculum, samplers, counters
+    def state_dict(self):
+        """What --resume needs from the generating side: curriculum, samplers, counters."""
         return dict(pool=self.pool.state_dict(), engine=self.engine.state_dict(), reward_errors=self.reward_errors,
                     bad_prompts=sorted(self.bad_prompts))
 
@@ -410,12 +419,14 @@ class Scheduler(BatchSource):
             i += 1
         self.gen_s += time.time() - t
 
-    def push_weights(self, weights):  # PipelineRL loads the new weights in flight; PPO waits for its buffer to drain
+    def push_weights(self, weights):
+        """PipelineRL loads the new weights in flight; PPO waits for its buffer to drain."""
         self.version += 1
         if self.mode == "pipeline" or not self.ready:
             self.engine.load_weights(weights, self.version)
 
-    def totals(self):  # generation so far: tokens, seconds spent generating, the curriculum's counts
+    def totals(self):
+        """Generation so far: tokens, seconds spent generating, the curriculum's counts."""
         return dict(tokens=self.engine.stats["tokens"], gen_s=self.gen_s, **self.rollouts.info())
 
 
@@ -579,13 +590,15 @@ class TrainerLink(BatchSource):
                 self.pending.wait()
             self.pending = None
 
-    def totals(self):  # generation so far over all generator ranks: the furthest epoch, sums of the rest
+    def totals(self):
+        """Generation so far over all generator ranks: the furthest epoch, sums of the rest."""
         infos = list(self.info.values())  # a copy: the receiver threads add to it
         total = {key: sum(x[key] for x in infos) for key in ("npr_removed", "epoch", "reward_errors", "bad_prompts")}
         total["epoch"] = max((x["epoch"] for x in infos), default=0)
         return dict(tokens=counter(self.job, "gen_tokens"), gen_s=counter(self.job, "gen_us") / 1e6, **total)
 
-    def close(self):  # the end of the run: generators stop after the last broadcast, their receivers with them
+    def close(self):
+        """The end of the run: generators stop after the last broadcast, their receivers with them."""
         if self.job.rank == 0:
             counter(self.job, "stop", 1)
             self._land()
