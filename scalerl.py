@@ -304,6 +304,7 @@ def main(cfg):
     if cfg.eval_only or cfg.export:
         return evaluate_or_export(cfg)
     job, ckpt, resume_point = start(cfg)  # roles, the checkpoint (rank 0), where the run resumes (every rank)
+    preempt = trainer.Preemption()  # SIGTERM/SIGUSR1: finish the step, checkpoint, exit resumable
     random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
     train, val, tasks = load_data(cfg)
     model, tok = load_model(cfg, tasks)
@@ -365,7 +366,7 @@ def main(cfg):
         if job.rank == 0:
             print(f"step    0 | {evaluate_now(weights)} (before RL: R0)")
             trainer.save_checkpoint(ckpt_path, weights, opt_state, step, clock, source, job, rollouts)
-    t_loop, first, eval_s, bad_run, idle = time.time(), step, 0.0, 0, 0  # bad_run, idle: steps in a row
+    t_loop, first, eval_s, bad_run, idle, stop = time.time(), step, 0.0, 0, 0, None  # bad_run, idle: steps in a row
     while step < cfg.max_steps:
         t0, c0, gen0 = time.time(), time.process_time(), source.totals()
         batch = source.next_batch()  # B groups, scored, zero-variance filtered (Sec. 3.2)
@@ -375,11 +376,12 @@ def main(cfg):
         weights = trainer.full_state_dict(model)
         source.push_weights(weights)  # in flight to the generators (PipelineRL) or after k steps (PPO-off-policy)
         step += 1
+        stop = preempt.signal if len(job.trainers) == 1 else pipeline_rl.share(job, preempt.signal)  # rank 0's word
         dt = time.time() - t0
         clock["device_hours"] += dt * job.world / 3600  # the compute axis counts every device
         clock["cpu_hours"] += (time.process_time() - c0) / 3600  # this process's CPU time: immune to a busy machine
         bad_run = 0 if stats["finite"] else bad_run + 1
-        save = step % cfg.ckpt_every == 0 or step == cfg.max_steps or bad_run >= cfg.max_nonfinite
+        save = step % cfg.ckpt_every == 0 or step == cfg.max_steps or bad_run >= cfg.max_nonfinite or stop
         opt_state = trainer.optimizer_state(job, policy, opt) if save else None  # every trainer rank (FSDP2 gathers)
         if job.rank == 0:
             row = trainer.metrics_row(step, clock, batch, stats, source.totals(), gen0, dt, t_train,
@@ -399,9 +401,13 @@ def main(cfg):
             print(line, flush=True)
             if save:  # after skipped steps the weights are still the last good ones
                 trainer.save_checkpoint(ckpt_path, weights, opt_state, step, clock, source, job, rollouts)
-        if bad_run >= cfg.max_nonfinite:
+        if bad_run >= cfg.max_nonfinite or stop:
             break
     source.close()
+    if stop:  # preempted: the checkpoint is written; no export or fit, schedulers give seconds
+        pipeline_rl.dist_cleanup(job)
+        print0(f"stopped by {stop} at step {step}; checkpoint in {cfg.out_dir}: continue with --resume", flush=True)
+        raise SystemExit(143)
     if job.rank == 0:
         print(f"policy at step {step} written to {trainer.export_hf(cfg, model, tok, weights)} (from_pretrained, vLLM)")
     pipeline_rl.dist_cleanup(job)
@@ -554,6 +560,7 @@ def evaluate_or_export(cfg):
         with trainer.fits(ckpt_path):
             model.load_state_dict(ckpt["model"])
     if cfg.export:
+        trainer.lock_run_dir(cfg.out_dir)
         return print(f"policy at step {ckpt['step']} written to {trainer.export_hf(cfg, model, tok, model.state_dict())}")
     model.to("cuda" if torch.cuda.is_available() else "cpu")
     step, engine = ckpt["step"] if ckpt else 0, make_engine(cfg, model, tok, cfg.seed + 1)
@@ -633,12 +640,13 @@ def finish(cfg, step, bad_run, tasks, t_start):
         fail(f"{bad_run} steps in a row had non-finite loss or gradients; the last good weights are checkpointed at "
              f"step {step} in {cfg.out_dir}; lower --lr or check the data, then --resume")
     print(f"done in {(time.time() - t_start) / 60:.1f} min; run directory {cfg.out_dir}")
-    path = os.path.join(cfg.out_dir, "metrics.jsonl")
+    path, plot = os.path.join(cfg.out_dir, "metrics.jsonl"), os.path.join(cfg.out_dir, "curve.png")
     try:
-        print(sigmoid_fit.analyze([path] + [(path, f"pass_rate_{t}") for t in tasks if len(tasks) > 1],
-                                  plot=os.path.join(cfg.out_dir, "curve.png")))
+        print(sigmoid_fit.analyze([path] + [(path, f"pass_rate_{t}") for t in tasks if len(tasks) > 1], plot=plot))
     except ValueError as e:
         print(f"sigmoid fit skipped: {e}")
+    except OSError as e:
+        trainer.write_failed(plot, e)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ The generating side is pipeline_rl.py; scalerl.py wires the two together.
 """
 from dataclasses import asdict
 import contextlib
+import errno
+import fcntl
 import hashlib
 import inspect
 import json
@@ -27,6 +29,7 @@ import platform
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -281,26 +284,103 @@ def print0(*args, **kw):
         print(*args, **kw)
 
 
+def lock_run_dir(out_dir):
+    """One live run per run directory: an exclusive flock on out_dir/.lock (holding the pid), taken before anything
+    is written and held while the process lives; the OS releases it when the process ends, killed or not."""
+    if os.path.realpath(out_dir) in HELD:  # this process holds it already (a run started again in-process)
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    fd = os.open(os.path.join(out_dir, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        for _ in range(40):  # the holder writes its pid just after it takes the lock
+            if holder := os.pread(fd, 32, 0).decode(errors="replace").strip():
+                break
+            time.sleep(0.05)
+        fail(f"run directory {out_dir} is in use by a live run (pid {holder}); wait for it or stop it, or pick another "
+             "--out_dir")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    HELD[os.path.realpath(out_dir)] = fd
+
+
+HELD = {}  # run directory -> descriptor of this process's lock on it (kept open: closing it releases the lock)
+
+
+def write_failed(path, error, nbytes=0):
+    """A write of the run that failed: for lack of space or permission, one line naming the path, the bytes needed and
+    what is free (whatever was written before stays intact: --resume once it is fixed); anything else is raised."""
+    free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+    code = getattr(error, "errno", None)
+    if isinstance(error, PermissionError) or code in (errno.EACCES, errno.EROFS):
+        fail(f"cannot write {path}: permission denied; make {os.path.dirname(path) or '.'} writable, then --resume")
+    if code not in (errno.ENOSPC, errno.EDQUOT) and free >= nbytes + (1 << 20):
+        raise error
+    fail(f"cannot write {path}: no space left on the device ({nbytes / 1e6:.1f} MB needed, {free / 1e6:.1f} MB free); "
+         "free some space, then --resume (the last checkpoint and the logged rows are intact)")
+
+
+def write_atomic(path, write, nbytes=0):
+    """`write(tmp)`, then tmp renamed over `path`: the previous file (or directory) stays valid until the new one is
+    complete; a failed write leaves no temporary behind. torch.save reports a full disk as a RuntimeError."""
+    tmp = path + ".tmp"
+    try:
+        write(tmp)
+        if os.path.isdir(tmp):
+            shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        write_failed(path, e, nbytes)
+
+
+def text_writer(text):
+    """A `write` for write_atomic that puts `text` in the file (closed inside: a full disk shows at the flush)."""
+    def write(tmp):
+        with open(tmp, "w") as f:
+            f.write(text)
+    return write
+
+
+def tensor_bytes(obj):
+    """Bytes of the tensors in a nest of dicts and lists: what saving it needs, roughly."""
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return obj.nbytes if torch.is_tensor(obj) else 0
+
+
 def export_hf(cfg, model, tok, weights):
     """The policy as a Hugging Face model directory, out_dir/hf: safetensors weights in the body dtype, config and
     tokenizer (chat template included), for `from_pretrained` and vLLM. Written beside the old one, then swapped in."""
     from transformers.utils import logging
     logging.disable_progress_bar()
+    weights = {k: v.to(getattr(torch, cfg.dtype)) for k, v in weights.items()}
     path = os.path.join(cfg.out_dir, "hf")
-    shutil.rmtree(path + ".tmp", ignore_errors=True)
-    model.save_pretrained(path + ".tmp", state_dict={k: v.to(getattr(torch, cfg.dtype)) for k, v in weights.items()})
-    tok.save_pretrained(path + ".tmp")
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(path + ".tmp", path)
+    write_atomic(path, lambda tmp: (model.save_pretrained(tmp, state_dict=weights), tok.save_pretrained(tmp)),
+                 tensor_bytes(weights))
     return path
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Run directory: config.json, metrics.jsonl (append-only, flushed per line), ckpt.pt (atomic)
 
+class Preemption:
+    """SIGTERM and SIGUSR1 (what SLURM, Kubernetes and preemptible clouds send before a kill; SLURM with --signal):
+    `signal` is set, and the run finishes its step, writes a checkpoint and exits resumable. A second one exits at
+    once. Generator ranks keep generating until the trainer ends the job."""
+    def __init__(self):
+        self.signal = None
+        for s in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(s, self.handle)
 
-def atomic_save(obj, path):
-    torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)  # the previous checkpoint stays valid until the new one is complete
+    def handle(self, signum, frame):
+        if self.signal is not None:
+            os._exit(128 + signum)
+        self.signal = signal.Signals(signum).name
+        print0(f"{self.signal}: the run stops after this step with a checkpoint (send it again to stop at once)",
+               flush=True)
 
 
 def load_checkpoint(path, want=("model", "opt", "step", "device_hours", "version", "stale", "torch_rng")):
@@ -332,7 +412,7 @@ def save_checkpoint(path, weights, opt_state, step, clock, source, job, rollouts
                 torch_rng=torch.get_rng_state(), world=job.world, generators=job.generators, **clock)
     if job.world == 1:
         ckpt["generating"] = rollouts.state_dict()
-    atomic_save(ckpt, path)
+    write_atomic(path, lambda tmp: torch.save(ckpt, tmp), tensor_bytes(ckpt))
 
 
 def read_metrics(path, upto_step):
@@ -352,13 +432,14 @@ def read_metrics(path, upto_step):
 def open_log(cfg, job, step, n_params, tok):
     """The run's record: config.json (the options, versions, git hash, ranks, and a history entry per start or
     resume) and metrics.jsonl, cut back to `step` (rows logged after the checkpoint are dropped, so a resumed log
-    continues seamlessly); returns a row writer (which also feeds --tracker)."""
-    os.makedirs(cfg.out_dir, exist_ok=True)
+    continues seamlessly); returns a row writer (which also feeds --tracker). Takes the run directory's lock first."""
+    lock_run_dir(cfg.out_dir)
+    if not cfg.resume and os.path.exists(os.path.join(cfg.out_dir, "ckpt.pt")):  # a run started beside this one
+        fail(f"run directory {cfg.out_dir} already holds a run; pass --resume to continue it or pick another --out_dir")
     path, meta_path = os.path.join(cfg.out_dir, "metrics.jsonl"), os.path.join(cfg.out_dir, "config.json")
     rows = read_metrics(path, step) if cfg.resume else []  # a fresh start over a failed one starts a fresh log
-    with open(path + ".tmp", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-    os.replace(path + ".tmp", path)
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    write_atomic(path, text_writer(text), len(text))
     versions = dict(python=platform.python_version(), torch=torch.__version__,
                     transformers=__import__("transformers").__version__)
     if cfg.engine == "vllm":
@@ -374,11 +455,18 @@ def open_log(cfg, job, step, n_params, tok):
     history.append(dict(step=step, time=time.strftime("%Y-%m-%d %H:%M:%S"), argv=sys.argv[1:], git=git))
     meta = dict(config=asdict(cfg), versions=versions, git=git, n_params=n_params, vocab=len(tok),
                 ranks=dict(trainers=job.trainers, generators=job.generators), history=history)
-    with open(meta_path + ".tmp", "w") as f:
-        json.dump(meta, f, indent=1)
-    os.replace(meta_path + ".tmp", meta_path)
-    log, track = open(path, "a", buffering=1), tracker(cfg)
-    return lambda row: (log.write(json.dumps(row) + "\n"), track(row))
+    write_atomic(meta_path, text_writer(json.dumps(meta, indent=1)))
+    log, track = os.open(path, os.O_WRONLY | os.O_APPEND), tracker(cfg)
+
+    def write(row):  # one unbuffered append per row: a full disk is caught at that row, not at exit
+        line = (json.dumps(row) + "\n").encode()
+        try:
+            if os.write(log, line) < len(line):
+                raise OSError(errno.ENOSPC, "a short write")
+        except OSError as e:
+            write_failed(path, e, len(line))
+        track(row)
+    return write
 
 
 def tracker(cfg):

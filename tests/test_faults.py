@@ -1,0 +1,172 @@
+"""Faults from outside the run: a second run on the same folder, a full disk, a scheduler's SIGTERM.
+
+1. Two runs started at once on one folder: one runs, the other exits with one line naming the holder's pid (or, if
+   the first got further, saying the folder holds a run); the log holds one run's rows once. A killed run's lock
+   never blocks (the kill-and-resume tests in test_reliability.py resume after SIGKILL).
+2. A full disk at a checkpoint: a small tmpfs where this machine lets us mount one (root), else an ENOSPC injected
+   at the file layer in-process. One line naming the path, the bytes needed and what is free; no temporary file left;
+   the previous checkpoint and every logged row intact; --resume finishes once there is room.
+3. SIGTERM: the run finishes its step, checkpoints, exits 143 with a message; --resume then logs every step once.
+   Two signals: the second exits at once. Under torchrun every rank stops at the same step.
+
+Run: python -m pytest tests/test_faults.py
+"""
+import errno
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+import scalerl
+import trainer
+from conftest import ENV, ROOT, one_line_error, read_jsonl, run_command, scalerl_command, torchrun_command
+
+pytestmark = pytest.mark.slow
+
+
+def command(out, *args):
+    return scalerl_command("--config", "smoke", "--threads=1", f"--out_dir={out}", *args)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A base directory whose warm-start cache is filled once, so runs reach their loop in seconds."""
+    base = tmp_path_factory.mktemp("faults")
+    p = run_command(command(base / "warm", "--max_steps=1"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    return base
+
+
+def train_steps(out):
+    return [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "eval" not in r]
+
+
+def test_two_runs_on_one_folder(base):
+    out = base / "dup"
+    procs = [subprocess.Popen(command(out, "--max_steps=6"), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [(p.pid, *p.communicate(timeout=300), p.returncode) for p in procs]
+    winners = [r for r in results if r[3] == 0]
+    losers = [r for r in results if r[3] != 0]
+    assert len(winners) == 1 and len(losers) == 1, [r[2][-500:] for r in results]
+    line = one_line_error(subprocess.CompletedProcess([], losers[0][3], losers[0][1], losers[0][2]))
+    assert f"in use by a live run (pid {winners[0][0]})" in line or "already holds a run" in line, line
+    assert train_steps(out) == [1, 2, 3, 4, 5, 6]  # one run's rows, each once
+
+
+def small_fs(path, megabytes):
+    """Mount a tmpfs of `megabytes` at path; False where this machine does not allow it (not root)."""
+    path.mkdir(exist_ok=True)
+    if os.geteuid() != 0:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_full_disk_at_a_checkpoint(base):
+    first = base / "disk_first"
+    assert run_command(command(first, "--max_steps=2")).returncode == 0
+    fs = base / "fs"
+    used = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(first) for f in files) / 2 ** 20
+    if not small_fs(fs, int(used + 5)):  # room for what is there, not for a second checkpoint beside it
+        pytest.skip("cannot mount a small filesystem here (test_full_disk_injected covers the same path)")
+    try:
+        out = fs / "run"
+        subprocess.run(["cp", "-r", str(first), str(out)], check=True)
+        before = (out / "ckpt.pt").read_bytes()
+        p = run_command(command(out, "--resume", "--max_steps=4"))
+        line = one_line_error(p)
+        assert f"cannot write {out / 'ckpt.pt'}: no space left" in line and "MB needed" in line and "free" in line
+        assert (out / "ckpt.pt").read_bytes() == before and not (out / "ckpt.pt.tmp").exists()
+        assert train_steps(out)[:2] == [1, 2] and torch.load(out / "ckpt.pt", weights_only=True)["step"] == 2
+        subprocess.run(["mount", "-o", "remount,size=64m", str(fs)], check=True)  # space freed
+        p = run_command(command(out, "--resume", "--max_steps=4"))
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert train_steps(out) == [1, 2, 3, 4]
+    finally:
+        subprocess.run(["umount", "-l", str(fs)], capture_output=True)
+
+
+def test_full_disk_injected(base, monkeypatch, capsys):
+    """The same at the file layer, in-process: torch.save meets ENOSPC at the step-4 checkpoint."""
+    out = base / "disk_injected"
+    scalerl.main(scalerl.parse_args(["--config", "smoke", "--threads=1", f"--out_dir={out}", "--max_steps=2"]))
+    before = (out / "ckpt.pt").read_bytes()
+    real_save = torch.save
+
+    def full(obj, path, *a, **kw):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(trainer.torch, "save", full)
+    with pytest.raises(SystemExit) as e:
+        scalerl.main(scalerl.parse_args(["--config", "smoke", "--threads=1", f"--out_dir={out}", "--resume",
+                                         "--max_steps=4"]))
+    assert e.value.code == 2
+    assert f"cannot write {out / 'ckpt.pt'}: no space left" in capsys.readouterr().err
+    assert (out / "ckpt.pt").read_bytes() == before and not (out / "ckpt.pt.tmp").exists()
+    monkeypatch.setattr(trainer.torch, "save", real_save)
+
+
+def wait_for_steps(out, n, proc, timeout=120):
+    t_end = time.time() + timeout
+    while time.time() < t_end and proc.poll() is None:
+        if (out / "metrics.jsonl").exists() and len(train_steps_torn(out)) >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run did not reach {n} steps")
+
+
+def train_steps_torn(out):
+    return [r["step"] for r in read_jsonl(out / "metrics.jsonl", torn_ok=True) if "eval" not in r]
+
+
+def test_sigterm_checkpoints_and_resumes(base):
+    out = base / "sigterm"
+    args = ("--max_steps=30", "--ckpt_every=100", "--eval_every=100")  # only the step-0 and final checkpoints
+    proc = subprocess.Popen(command(out, *args), cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    wait_for_steps(out, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr[-3000:]
+    step = torch.load(out / "ckpt.pt", weights_only=True)["step"]
+    assert 3 <= step < 30 and f"stopped by SIGTERM at step {step}" in stdout and "--resume" in stdout
+    assert train_steps(out)[-1] == step  # the checkpoint is the last logged step
+    p = run_command(command(out, *args, "--resume"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert train_steps(out) == list(range(1, 31))
+
+
+def test_second_signal_exits_at_once(tmp_path):
+    out = tmp_path / "twice"  # a fresh base: the warm start runs, long enough to signal twice during it
+    proc = subprocess.Popen(command(out, "--sft_steps=3000"), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(10)  # imports and set-up done: the handler is in place, the 3,000-step warm start under way
+    assert proc.poll() is None
+    for _ in range(2):
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.5)
+    stdout, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGUSR1 and "stopped by" not in stdout
+
+
+def test_torchrun_sigterm_every_rank_stops_at_one_step(base):
+    out = base / "torchrun_sigterm"
+    args = ("--max_steps=40", "--ckpt_every=100", "--eval_every=100", "--gen_ranks=1")
+    cmd = torchrun_command("--standalone", "--nproc_per_node=3", *command(out, *args)[1:])
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**ENV, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for_steps(out, 3, proc, timeout=240)
+    os.killpg(proc.pid, signal.SIGTERM)  # as a scheduler does: every process of the job
+    stdout, stderr = proc.communicate(timeout=240)
+    step = torch.load(out / "ckpt.pt", weights_only=True)["step"]
+    assert 3 <= step < 40 and f"stopped by SIGTERM at step {step}" in stdout, stdout[-2000:] + stderr[-3000:]
+    assert train_steps(out)[-1] == step
+    p = run_command(torchrun_command("--standalone", "--nproc_per_node=3", *command(out, *args, "--resume")[1:]),
+                    env={"OMP_NUM_THREADS": "1"}, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert train_steps(out) == list(range(1, 41))
