@@ -65,7 +65,7 @@ class Config:
     resume: bool = False               # continue the run in out_dir from its checkpoint, with its own options
     eval_only: bool = False            # evaluate out_dir's checkpoint (or --model) on the held-out prompts; no training
     export: bool = False               # write out_dir's checkpoint as a Hugging Face model to out_dir/hf, then exit
-    tracker: str = "none"              # also log metrics to: none | tensorboard | wandb (metrics.jsonl stays the record)
+    tracker: str = "none"              # also log metrics to: none | tensorboard | wandb (metrics.jsonl stays)
     threads: int = 1                   # torch CPU threads: tiny ops run fastest on one (0: torch default)
     # model
     model: str = "tiny"                # "tiny" (a small Llama built in code, character tokenizer), or a hub name/path
@@ -310,6 +310,7 @@ def main(cfg):
     model, tok = load_model(cfg, tasks)
     if job.rank == 0 and not resume_point and cfg.model == "tiny":
         trainer.warm_start(cfg, model, tok, os.path.dirname(os.path.normpath(cfg.out_dir)) or ".")
+    took = dict(warm_start=time.time() - t_start, training=0.0, evaluation=0.0)  # seconds, for the end-of-run summary
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
     if ckpt:  # resuming: the checkpoint's weights replace the warm start (or the hub's weights)
         with trainer.fits(ckpt_path):
@@ -350,13 +351,15 @@ def main(cfg):
     step, clock = trainer.restore_trainer(cfg, ckpt, resume_point, job, policy, opt, source, rollouts)
     if job.rank == 0:
         log = trainer.open_log(cfg, job, step, n_params, tok)
-        describe(cfg, job, n_params, len(train), len(val))
+        trainer.describe(cfg, job, n_params, len(train), len(val))
     task_of = {p.id: p.task for p in train} if len(tasks) > 1 else {}
 
     def evaluate_now(weights):  # held-out pass rate, logged (rank 0), not on the compute axis
+        te = time.time()
         eval_engine.load_weights(weights, source.version)
         pr = evaluate(eval_engine, scorer, held_out, cfg.eval_samples, cfg.seed + 7919 * step, tasks, step == 0)
         log(dict(step=step, **clock, **pr, eval=True))
+        took["evaluation"] += time.time() - te
         return f"held-out pass rate {pr['pass_rate']:.3f}{trainer.per_task(pr, 'pass_rate', tasks)}"
 
     # -- the loop: the same for one process and for every trainer rank under torchrun ----------------------------
@@ -366,13 +369,14 @@ def main(cfg):
         if job.rank == 0:
             print(f"step    0 | {evaluate_now(weights)} (before RL: R0)")
             trainer.save_checkpoint(ckpt_path, weights, opt_state, step, clock, source, job, rollouts)
-    t_loop, first, eval_s, bad_run, idle, stop = time.time(), step, 0.0, 0, 0, None  # bad_run, idle: steps in a row
+    t_loop, first, eval_0, bad_run, idle, stop = time.time(), step, took["evaluation"], 0, 0, None
     while step < cfg.max_steps:
         t0, c0, gen0 = time.time(), time.process_time(), source.totals()
         batch = source.next_batch()  # B groups, scored, zero-variance filtered (Sec. 3.2)
         t1 = time.time()
         stats = trainer.train_step(policy, opt, batch.kept, cfg, step, job)
         t_train = time.time() - t1
+        took["training"] += t_train
         weights = trainer.full_state_dict(model)
         source.push_weights(weights)  # in flight to the generators (PipelineRL) or after k steps (PPO-off-policy)
         step += 1
@@ -390,20 +394,19 @@ def main(cfg):
             idle = idle + 1 if row["zero_var_frac"] == 1 else 0  # no group with a learning signal
             if idle == trainer.NO_SIGNAL_STEPS:
                 print(trainer.no_signal(row, cfg), flush=True)
-            eta = (time.time() - t_loop - eval_s) / (step - first) * (cfg.max_steps - step)
+            eta = (time.time() - t_loop - took["evaluation"] + eval_0) / (step - first) * (cfg.max_steps - step)
             line = trainer.progress_line(row, cfg.max_steps, eta, tasks)
             if not stats["finite"]:
                 line += f" | non-finite loss or gradients: step skipped ({bad_run} in a row)"
             if step % cfg.eval_every == 0 or step == cfg.max_steps:
-                te = time.time()
                 line += " | " + evaluate_now(weights)
-                eval_s += time.time() - te
             print(line, flush=True)
             if save:  # after skipped steps the weights are still the last good ones
                 trainer.save_checkpoint(ckpt_path, weights, opt_state, step, clock, source, job, rollouts)
         if bad_run >= cfg.max_nonfinite or stop:
             break
     source.close()
+    took["generation"] = source.totals()["gen_s"]  # under torchrun: summed over the generator ranks
     if stop:  # preempted: the checkpoint is written; no export or fit, schedulers give seconds
         pipeline_rl.dist_cleanup(job)
         print0(f"stopped by {stop} at step {step}; checkpoint in {cfg.out_dir}: continue with --resume", flush=True)
@@ -412,7 +415,7 @@ def main(cfg):
         print(f"policy at step {step} written to {trainer.export_hf(cfg, model, tok, weights)} (from_pretrained, vLLM)")
     pipeline_rl.dist_cleanup(job)
     if job.rank == 0:
-        finish(cfg, step, bad_run, tasks, t_start)
+        finish(cfg, step, bad_run, tasks, dict(took, total=time.time() - t_start))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -561,7 +564,8 @@ def evaluate_or_export(cfg):
             model.load_state_dict(ckpt["model"])
     if cfg.export:
         trainer.lock_run_dir(cfg.out_dir)
-        return print(f"policy at step {ckpt['step']} written to {trainer.export_hf(cfg, model, tok, model.state_dict())}")
+        path = trainer.export_hf(cfg, model, tok, model.state_dict())
+        return print(f"policy at step {ckpt['step']} written to {path}")
     model.to("cuda" if torch.cuda.is_available() else "cpu")
     step, engine = ckpt["step"] if ckpt else 0, make_engine(cfg, model, tok, cfg.seed + 1)
     scorer = pipeline_rl.Rollouts(engine, None, tok, cfg.max_prompt)
@@ -573,24 +577,9 @@ def evaluate_or_export(cfg):
     os.makedirs(cfg.out_dir, exist_ok=True)
     with open(os.path.join(cfg.out_dir, "evals.jsonl"), "a") as f:
         f.write(json.dumps(row) + "\n")
-    print(f"held-out pass rate {pr['pass_rate']:.3f}{trainer.per_task(pr, 'pass_rate', tasks)} (mean@{cfg.eval_samples}, "
-          f"{len(val)} prompts, step {step}) in {time.time() - t0:.0f}s; appended to {cfg.out_dir}/evals.jsonl")
-
-
-def describe(cfg, job, n_params, n_train, n_val):
-    """The numbers that matter, printed at start-up."""
-    B, G, k = cfg.batch_prompts, cfg.group_size, cfg.max_lag
-    print(f"scalerl | {cfg.model} {n_params / 1e6:.2f}M params, body {cfg.dtype}, head "
-          f"{'fp32' if cfg.fp32_head else cfg.dtype} | {cfg.task}: {n_train} train / {n_val} held-out prompts\n"
-          f"  {B} prompts x {G} completions = {B * G} per step | {cfg.max_steps} steps | think {cfg.think_min}-"
-          f"{cfg.think_max} + answer {cfg.answer_budget} tokens | interruption {'on' if cfg.interrupt else 'off'}\n"
-          f"  {cfg.loss} loss, {cfg.agg} aggregation, {cfg.adv_norm} adv norm, zero-var filter {cfg.zero_var_filter}, "
-          f"NPR {cfg.npr} | {'PipelineRL' if cfg.off_policy == 'pipeline' else 'PPO-off-policy'}-{k}, "
-          f"{cfg.decode_per_step} decode steps per train step | engine {cfg.engine}, {cfg.slots} slots")
-    if job.world > 1:
-        fsdp = " (FSDP2)" if len(job.trainers) > 1 else ""
-        print(f"  torchrun: {job.world} ranks | trainer ranks {job.trainers}{fsdp} | "
-              f"generator ranks {job.generators} | device-hours = wall time x {job.world}")
+    where = f"mean@{cfg.eval_samples}, {len(val)} prompts, step {step}"
+    print(f"held-out pass rate {pr['pass_rate']:.3f}{trainer.per_task(pr, 'pass_rate', tasks)} ({where}) in "
+          f"{time.time() - t0:.0f}s; appended to {cfg.out_dir}/evals.jsonl")
 
 
 def start(cfg):
@@ -633,13 +622,16 @@ def restore_generator(rollouts, path, version):
         rollouts.load_state_dict(trainer.load_checkpoint(path, want=("version",)))
 
 
-def finish(cfg, step, bad_run, tasks, t_start):
+def finish(cfg, step, bad_run, tasks, took):
     """The end of the run on rank 0: a run of non-finite steps exits with one line; otherwise the sigmoid fit of
     its own evaluations (Sec. 2.1), one curve per task (Sec. 7), and curve.png."""
     if bad_run >= cfg.max_nonfinite:
         fail(f"{bad_run} steps in a row had non-finite loss or gradients; the last good weights are checkpointed at "
              f"step {step} in {cfg.out_dir}; lower --lr or check the data, then --resume")
-    print(f"done in {(time.time() - t_start) / 60:.1f} min; run directory {cfg.out_dir}")
+    rest = took["total"] - sum(v for k, v in took.items() if k != "total")
+    parts = ", ".join(f"{k.replace('_', ' ')} {v:.0f}s" for k, v in took.items() if k != "total")
+    print(f"done in {took['total'] / 60:.1f} min ({parts}, start-up, scoring, logging and checkpoints {rest:.0f}s); "
+          f"run directory {cfg.out_dir}")
     path, plot = os.path.join(cfg.out_dir, "metrics.jsonl"), os.path.join(cfg.out_dir, "curve.png")
     try:
         print(sigmoid_fit.analyze([path] + [(path, f"pass_rate_{t}") for t in tasks if len(tasks) > 1], plot=plot))

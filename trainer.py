@@ -544,6 +544,22 @@ def no_signal(row, cfg):
     return f"warning: no learning signal for {NO_SIGNAL_STEPS} steps (every group zero-variance): {why}"
 
 
+def describe(cfg, job, n_params, n_train, n_val):
+    """The numbers that matter, printed at start-up."""
+    B, G, k = cfg.batch_prompts, cfg.group_size, cfg.max_lag
+    print(f"scalerl | {cfg.model} {n_params / 1e6:.2f}M params, body {cfg.dtype}, head "
+          f"{'fp32' if cfg.fp32_head else cfg.dtype} | {cfg.task}: {n_train} train / {n_val} held-out prompts\n"
+          f"  {B} prompts x {G} completions = {B * G} per step | {cfg.max_steps} steps | think {cfg.think_min}-"
+          f"{cfg.think_max} + answer {cfg.answer_budget} tokens | interruption {'on' if cfg.interrupt else 'off'}\n"
+          f"  {cfg.loss} loss, {cfg.agg} aggregation, {cfg.adv_norm} adv norm, zero-var filter {cfg.zero_var_filter}, "
+          f"NPR {cfg.npr} | {'PipelineRL' if cfg.off_policy == 'pipeline' else 'PPO-off-policy'}-{k}, "
+          f"{cfg.decode_per_step} decode steps per train step | engine {cfg.engine}, {cfg.slots} slots")
+    if job.world > 1:
+        fsdp = " (FSDP2)" if len(job.trainers) > 1 else ""
+        print(f"  torchrun: {job.world} ranks | trainer ranks {job.trainers}{fsdp} | "
+              f"generator ranks {job.generators} | device-hours = wall time x {job.world}")
+
+
 def restore_trainer(cfg, ckpt, resume_point, job, policy, opt, source, rollouts):
     """--resume on a trainer rank: the optimizer state (FSDP2: this rank's shard), the batch source's counters, and in
     one process the generating side. Returns (step, clock); a fresh run starts at step 0 with a zero clock."""
