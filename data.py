@@ -636,8 +636,9 @@ def check_program(program, tests, time_limit=CODE_TIME_LIMIT, memory_mb=512, out
     """True iff `program` (Python source) prints the expected stdout for every (stdin, stdout) test. It runs in a
     fresh `python -I -S` (no site-packages, an empty environment) in a temporary directory, removed after, with
     `time_limit` seconds of wall clock per test (then all its processes are killed) and limits on address space,
-    output and file size and process count; network, subprocesses, signals, file writes and reads outside the
-    standard library are refused. Stops at the first failed test; never raises."""
+    output and file size, open files and process count; network, subprocesses and signals are refused, and (with
+    Landlock) no system call creates, changes or removes a file, or reads one outside the standard library.
+    Stops at the first failed test; never raises."""
     try:
         mode = sandbox_mode()
         if mode is None or not isinstance(program, str) or not program.strip() or not tests:
@@ -650,15 +651,22 @@ def check_program(program, tests, time_limit=CODE_TIME_LIMIT, memory_mb=512, out
 
 
 def sandbox_mode():
-    """(command prefix, own uid?) of the strongest sandbox that runs a canary program here: network and PID
-    namespaces (`unshare`; as a plain user inside a user namespace), as root a uid of its own; None if none."""
+    """(command prefix, own uid?, Landlock?) of the strongest sandbox that runs a canary program here: network and
+    PID namespaces (`unshare`; as a plain user inside a user namespace), as root a uid of its own, Landlock (see
+    _BOOT); None if none. What is missing is said once, on stderr."""
     with _SANDBOX_LOCK:
         if not _SANDBOX_MODE:
             root, unshare = os.geteuid() == 0, shutil.which("unshare")
             namespaces = [unshare] + ([] if root else ["-r"]) + ["-n", "-p", "-f", "--kill-child"] if unshare else None
-            for mode in ([(namespaces, root)] if namespaces else []) + [([], root)] + ([] if root else [([], False)]):
+            for mode in [(ns, root, landlock) for ns in ([namespaces] if namespaces else []) + [[]]
+                         for landlock in (True, False)]:
                 if _run_tests("import math\nprint(int(input())+1)", [("41\n", "42")], 10.0, 256 << 20, 64, mode):
                     _SANDBOX_MODE.append(mode)
+                    missing = [what for what, have in (("network and PID namespaces", mode[0]),
+                                                       ("Landlock (files: permissions and audit hook only)", mode[2]))
+                               if not have]
+                    if missing:
+                        print("warning: the code sandbox runs without " + "; without ".join(missing), file=sys.stderr)
                     break
             else:  # never run untrusted code as root without a uid of its own
                 _SANDBOX_MODE.append(None)
@@ -666,9 +674,25 @@ def sandbox_mode():
         return _SANDBOX_MODE[0]
 
 
+def sandbox_description():
+    """What confines a program here, in one line for the run's header (see sandbox_mode and _BOOT)."""
+    mode = sandbox_mode()
+    if mode is None:
+        return "none works here: every program fails its tests"
+    names, landlock = {"-r": "user", "-n": "net", "-p": "pid"}, "no Landlock"
+    if mode[2]:
+        import ctypes
+        abi = ctypes.CDLL(None).syscall(444, None, 0, 1)  # landlock_create_ruleset(LANDLOCK_CREATE_RULESET_VERSION)
+        landlock = f"Landlock ABI {abi} (no file writes; reads: the standard library)"
+    return "; ".join([
+        "namespaces: " + ", ".join(names[f] for f in mode[0] if f in names) if mode[0] else "no namespaces",
+        f"uids {1_000_000 + os.getpid() % 4_000_000 * 64}+ (one per check)" if mode[1] else f"uid {os.getuid()}",
+        landlock, "rlimits", "audit hook"])
+
+
 def _run_tests(program, tests, time_limit, memory, output_cap, mode):
     """True iff `program` passes every test, all in one sandboxed interpreter (see _BOOT) run under `mode`."""
-    namespaces, own_uid = mode
+    namespaces, own_uid, landlock = mode
     slot, box, files, proc = _SLOTS.get(), tempfile.mkdtemp(prefix="scalerl-code-"), [], None
     uid = 1_000_000 + os.getpid() % 4_000_000 * 64 + slot if own_uid else -1
     try:
@@ -683,7 +707,8 @@ def _run_tests(program, tests, time_limit, memory, output_cap, mode):
         nproc = 16 if namespaces or own_uid else 16 + sum(int(status["Threads"]) for _, status in _processes(
             lambda pid, status: int(status["Uid"].split()[0]) == os.getuid()))
         fds = [f.fileno() for f in files]
-        args = [sys.executable, "-I", "-S", "-c", _BOOT, *map(str, [memory, output_cap + 1, nproc, uid, *fds])]
+        limits = [memory, output_cap + 1, nproc, uid, int(landlock)]
+        args = [sys.executable, "-I", "-S", "-c", _BOOT, *map(str, limits + fds)]
         proc = subprocess.Popen(namespaces + args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, pass_fds=fds, cwd=box, env={"LC_ALL": "C.UTF-8"},
                                 start_new_session=True)
@@ -708,15 +733,42 @@ def _run_tests(program, tests, time_limit, memory, output_cap, mode):
             _SLOTS.put(slot)
 
 
-# One interpreter per program: limits, as root a uid of its own, an audit hook (a second line only: PEP 578
-# hooks are no security boundary; the first is the uid and the namespaces), then a forked child per test with
-# that test's input and output files as stdin and stdout; each exit code is reported on stdout.
+# One interpreter per program: limits, Landlock, as root a uid of its own, an audit hook, then a forked child per test
+# with that test's input and output files as stdin and stdout; each exit code is reported on stdout.
+# Files are confined by the kernel, with Landlock (Linux >= 5.13), which the interpreter applies to itself before the
+# program runs: then no system call (open, mknod, mkfifo, bind to a socket path, link, rename, truncate, exec; through
+# ctypes, mmap or /proc/self alike) creates, changes or removes a file anywhere, or reads one outside the standard
+# library (not /, /etc, /proc, the project), and nothing lifts it. Its own files, stdin and stdout, are open already,
+# bounded by RLIMIT_FSIZE (memfds also by RLIMIT_NOFILE): disk use is bounded. Chosen over a mount namespace with a
+# minimal root (bind mounts, tmpfs, pivot_root) as it needs no privilege nor mount calls Python lacks: it works as a
+# plain user and in containers that refuse user namespaces or mounts; over bwrap or nsjail as it needs nothing
+# installed. What it leaves: stat() of names outside, and metadata (chmod, utime, xattrs; no Landlock right): as root
+# the program's uid owns nothing to change, as a plain user the audit hook refuses it. The hook is a second line only
+# (PEP 578 hooks are no security boundary); the first are the kernel's: namespaces, the uid, Landlock.
 _BOOT = r"""# scalerl sandbox
 import os, resource as R, sys
-mem, fsize, nproc, uid, *fds = map(int, sys.argv[1:])
-for k, v in ((R.RLIMIT_AS, mem), (R.RLIMIT_FSIZE, fsize), (R.RLIMIT_NPROC, nproc), (R.RLIMIT_CORE, 0)):
+mem, fsize, nproc, uid, landlock, *fds = map(int, sys.argv[1:])
+for k, v in ((R.RLIMIT_AS, mem), (R.RLIMIT_FSIZE, fsize), (R.RLIMIT_NPROC, nproc), (R.RLIMIT_CORE, 0),
+             (R.RLIMIT_NOFILE, 64)):
     R.setrlimit(k, (v, v))
 code, null = compile(open("prog.py", encoding="utf-8").read(), "prog.py", "exec"), os.open(os.devnull, os.O_WRONLY)
+if landlock:  # system calls 444-446: landlock_create_ruleset, landlock_add_rule, landlock_restrict_self
+    import ctypes, struct
+    libc = ctypes.CDLL(None, use_errno=True)
+    abi = libc.syscall(444, None, 0, 1)  # LANDLOCK_CREATE_RULESET_VERSION
+    # refused: every file access this ABI knows (13, REFER from 2, TRUNCATE from 3, IOCTL_DEV from 5), TCP bind and
+    # connect (from 4), abstract unix sockets and signals reaching outside (from 6); allowed: one rule, below
+    access = struct.pack("QQQ", (1 << 13 + (abi >= 2) + (abi >= 3) + (abi >= 5)) - 1, 3 * (abi >= 4), 3 * (abi >= 6))
+    ruleset, lib = libc.syscall(444, access, 24, 0), os.open(os.path.dirname(os.__file__), os.O_PATH)
+    rule = struct.pack("=Qi", 4 | 8, lib)  # READ_FILE | READ_DIR beneath the standard library
+    if (abi < 1 or ruleset < 0 or libc.syscall(445, ruleset, 1, rule, 0) or libc.prctl(38, 1, 0, 0, 0)
+            or libc.syscall(446, ruleset, 0)):  # PR_SET_NO_NEW_PRIVS, then restrict this process and its children
+        raise SystemExit("sandbox: Landlock failed: " + os.strerror(ctypes.get_errno()))
+    os.close(ruleset)
+    os.close(lib)
+    del ctypes, struct, libc, abi, access, ruleset, lib, rule
+    for m in ("ctypes", "ctypes._endian", "_ctypes"):
+        sys.modules.pop(m, None)
 if uid >= 0:
     os.setgroups([])
     os.setresgid(uid, uid, uid)
@@ -728,9 +780,11 @@ def hook(event, args, lib=os.path.realpath(os.path.dirname(os.__file__)) + os.se
          write=os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC, isinstance=isinstance,
          deny=("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.kill", "os.ch",
                "signal.pthread_kill", "pty.", "os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.symlink",
-               "os.link", "os.truncate", "os.utime", "shutil.", "ctypes."), Err=PermissionError):
-    if (event.startswith(deny) or event == "import" and args[0].partition(".")[0] in ("ctypes", "_posixsubprocess")
-            or event == "object.__setattr__" and args[0] is hook or event == "open" and not isinstance(args[0], int)
+               "os.link", "os.truncate", "os.utime", "os.setxattr", "os.removexattr", "shutil.", "ctypes."),
+         Err=PermissionError):
+    if (event.startswith(deny) or event == "object.__setattr__" and args[0] is hook
+            or event == "import" and args[0].partition(".")[0] in ("ctypes", "_ctypes", "_posixsubprocess")
+            or event == "open" and not isinstance(args[0], int)
             and ((args[2] or 0) & write or not real(args[0]).startswith(lib))):  # reads of the standard library only
         raise Err("sandbox: " + event + " is not allowed")
 sys.addaudithook(hook)

@@ -4,7 +4,10 @@
    writes outside its directory, reads of secrets in the environment and in files, network, killing its parent,
    leaving a process behind, slow imports, tampering with the audit hook) fails within its time limit plus slack;
    afterwards no process of the sandbox is alive, no file was created outside the temporary directory (which is gone),
-   and the next verification works.
+   and the next verification works. File isolation (files made by mkfifo, mknod, a socket bind, ctypes, /proc/self
+   paths; a world-writable file changed through mmap; reads of /etc/passwd, the project, /proc/1 and of / itself,
+   also by patching the functions the hook resolves paths with; a program filling its own directory) must hold by
+   the kernel alone: those programs run again with the audit hook removed. The sandbox says what confines it.
 2. The built-in code task: the reference programs pass their hidden tests, slipped ones fail; extraction and rewards.
 3. DeepCoder-style files with a `tests` column; the mixture sampler keeps its shares and a curriculum per task.
 4. Per-task fits in sigmoid_fit; a real `scalerl.py --task arith+code` smoke run logs pass_rate_<task> (slow).
@@ -13,6 +16,7 @@ Run: python -m pytest tests/test_code_verifier.py (add -m "not slow" to skip the
 """
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -94,42 +98,121 @@ HOSTILE = {  # name -> program; the tests below say what it must print, so a pro
     "slow import via path": "import sys\nsys.path[:0] = {site!r}\nimport torch\nprint(5)\n",
     "syntax error": "print(5\n",
     "exit code": "print(5)\nraise SystemExit(3)\n",
+    "touch outside": "import os\nos.utime({canary!r})\nprint(5)\n",  # metadata: the uid and the hook refuse it
+    "xattr outside": "import os\nos.setxattr({canary!r}, 'user.pwned', b'1')\nprint(5)\n",
 }
+FILES = {  # file isolation by the kernel: these also run with the audit hook removed ({public} is in /tmp)
+    "mkfifo outside": "import os\nos.mkfifo({public!r})\nprint(5)\n",
+    "mknod outside": "import os, stat\nos.mknod({public!r}, stat.S_IFREG | 0o644)\nprint(5)\n",
+    "unix socket bind": "import _socket\n_socket.socket(_socket.AF_UNIX).bind({public!r})\nprint(5)\n",
+    "ctypes mkfifo": "import ctypes\nassert ctypes.CDLL(None).mkfifo({public!r}.encode(), 0o644) == 0\nprint(5)\n",
+    "via /proc/self/root": "import os\nos.mkfifo('/proc/self/root' + {public!r})\nprint(5)\n",
+    "via /proc/self/cwd": "open('/proc/self/cwd/../pwned.txt', 'w').write('x')\nprint(5)\n",  # beside the box
+    "shared memory": "import _posixshmem, os\n_posixshmem.shm_open({shm!r}, os.O_CREAT | os.O_RDWR)\nprint(5)\n",
+    "mmap outside": "import mmap, os\nm = mmap.mmap(os.open({canary!r}, os.O_RDWR), 0)\nm[:5] = b'pwned'\nprint(5)\n",
+    "etc passwd": "print(open('/etc/passwd').readline())\n",
+    "project file": "print(open({project!r}).readline())\n",
+    "proc 1 cmdline": "print(open('/proc/1/cmdline').read())\n",
+    "list root": "import os\nprint(sorted(os.listdir('/')))\n",
+    "patch realpath": "import posixpath\nposixpath.abspath = lambda path: {stdlib_file!r}\n"
+                      "print(open('/etc/passwd').readline())\n",  # the hook now takes /etc/passwd for the stdlib
+    "fill own dir": "import os\ni = 0\nwhile True:\n    for make in (lambda p: open(p, 'wb').write(b'x' * (1 << 20)), "
+                    "os.mkfifo, os.mknod):\n        try:\n            make(f'f{{i}}')\n        except OSError:\n"
+                    "            pass\n    i += 1\n",
+}
+HOSTILE.update(FILES)
+KERNEL_ONLY = list(FILES) + ["write outside", "os.open outside", "write own dir", "secret file"]
 
 
 def expected(name):
-    return {"env secret": SECRET, "secret file": SECRET, "proc environ": SECRET}.get(name, "5")
+    """What the program would print had it got out: a program that printed it would pass."""
+    with open("/etc/passwd") as passwd, open(os.path.join(ROOT, "data.py")) as project, open("/proc/1/cmdline") as init:
+        outside = {"etc passwd": passwd.readline(), "project file": project.readline(), "proc 1 cmdline": init.read()}
+    outside.update({"patch realpath": outside["etc passwd"], "list root": str(sorted(os.listdir("/")))})
+    return {"env secret": SECRET, "secret file": SECRET, "proc environ": SECRET, **outside}.get(name, "5")
 
 
-@pytest.mark.parametrize("name", list(HOSTILE))
-def test_hostile_program_fails_and_leaves_nothing(name, tmp_path, box_dir, monkeypatch):
+def stamp(path):  # what any change to a file shows in: its kind and mode, owner, size, times of writes and changes
+    st = os.lstat(path)
+    return st.st_mode, st.st_uid, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def tree(path):  # every file beneath path, stamped, but the sandboxes' directory (boxes)
+    return sorted((os.path.join(d, f), stamp(os.path.join(d, f))) for d, ds, fs in os.walk(path) for f in ds + fs
+                  if f != "boxes")
+
+
+def watch(path, seen, done):
+    while not done.wait(0.01):
+        seen.update(os.path.relpath(os.path.join(d, f), path) for d, ds, fs in os.walk(path) for f in ds + fs)
+
+
+@pytest.mark.parametrize("name, hook", [pytest.param(n, True, id=n) for n in HOSTILE]
+                         + [pytest.param(n, False, id=n + ", no hook") for n in KERNEL_ONLY])
+def test_hostile_program_fails_and_leaves_nothing(name, hook, tmp_path, box_dir, monkeypatch):
+    if name in FILES or not hook:  # file isolation is the kernel's (Landlock); without it, sandbox_mode warned
+        if not data.sandbox_mode()[2]:
+            pytest.skip("no Landlock here: files outside are guarded by the uid and the audit hook only")
+    if not hook:
+        assert "sys.addaudithook(hook)\n" in data._BOOT
+        monkeypatch.setattr(data, "_BOOT", data._BOOT.replace("sys.addaudithook(hook)\n", ""))
     monkeypatch.setenv("SCALERL_FAKE_SECRET", SECRET)
     secret_file = tmp_path / "secret.txt"
     secret_file.write_text(SECRET)
     os.chmod(secret_file, 0o600)
     outside = str(tmp_path / "pwned.txt")
+    public = f"/tmp/scalerl-pwned-{os.getpid()}-{tmp_path.name}"  # world-writable /tmp, where any uid may create
+    canary = f"/tmp/scalerl-canary-{os.getpid()}-{tmp_path.name}"  # world-writable: any uid may open it to write
+    with open(canary, "w") as f:
+        f.write("canary")
+    os.chmod(canary, 0o666)
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
     server.settimeout(0.05)
     site = [p for p in sys.path if "site-packages" in p]
     program = HOSTILE[name].format(outside=outside, secret_file=str(secret_file), port=server.getsockname()[1],
-                                   site=site)
-    before = set(os.listdir("/tmp"))
+                                   site=site, public=public, shm=public[4:], canary=canary,
+                                   project=os.path.join(ROOT, "data.py"), stdlib_file=os.path.realpath(os.__file__))
+    before, files = set(os.listdir("/tmp")), tree(tmp_path) + [stamp(canary)]
+    seen, done = set(), threading.Event()  # every name beneath box_dir while the check runs: its disk use
+    watcher = threading.Thread(target=watch, args=(box_dir, seen, done))
+    watcher.start()
     t0 = time.time()
-    ok = data.check_program(program, [("1 2\n", expected(name))], LIMIT)
-    took = time.time() - t0
-    assert ok is False
-    assert took < LIMIT + SLACK, f"{name}: took {took:.1f} s"
-    time.sleep(0.05)
-    assert sandbox_processes() == [], f"{name}: processes left behind"
-    assert not os.path.exists(outside) and sorted(os.listdir(tmp_path)) == ["boxes", "secret.txt"]
-    assert os.listdir(box_dir) == [], f"{name}: temporary directory left behind"
-    assert not {f for f in set(os.listdir("/tmp")) - before if "pwned" in f}
-    with pytest.raises(socket.timeout):
-        server.accept()  # nobody connected
-    server.close()
+    try:
+        ok = data.check_program(program, [("1 2\n", expected(name))], LIMIT)
+        took = time.time() - t0
+        done.set()
+        watcher.join()
+        assert not {p for p in seen if not re.fullmatch(r"scalerl-code-\w+(/prog\.py)?", p)}, f"{name}: made files"
+        assert ok is False
+        assert took < LIMIT + SLACK, f"{name}: took {took:.1f} s"
+        time.sleep(0.05)
+        assert sandbox_processes() == [], f"{name}: processes left behind"
+        assert not any(os.path.lexists(path) for path in (outside, public, "/dev/shm" + public[4:]))
+        assert sorted(os.listdir(tmp_path)) == ["boxes", "secret.txt"] and tree(tmp_path) + [stamp(canary)] == files
+        assert open(canary).read() == "canary" and not os.listxattr(canary)
+        assert os.listdir(box_dir) == [], f"{name}: temporary directory left behind"
+        assert not {f for f in set(os.listdir("/tmp")) - before if "pwned" in f}
+        with pytest.raises(socket.timeout):
+            server.accept()  # nobody connected
+    finally:
+        done.set()
+        server.close()
+        for path in (canary, public, "/dev/shm" + public[4:]):
+            if os.path.lexists(path):
+                os.remove(path)
     assert data.check_program(ADD, ADD_TESTS, OK_LIMIT), f"{name}: the next verification failed"
+
+
+def test_sandbox_says_what_confines_it_and_what_is_missing(monkeypatch, capsys):
+    mode, text = data.sandbox_mode(), data.sandbox_description()
+    assert text.endswith("audit hook") and ("Landlock ABI" in text) == mode[2] and ("net, pid" in text) == bool(mode[0])
+    monkeypatch.setattr(data, "_SANDBOX_MODE", [])  # a kernel without Landlock: the next mode, said once
+    monkeypatch.setattr(data, "_BOOT", data._BOOT.replace("abi = libc.syscall(444, None, 0, 1)", "abi = -1"))
+    assert data.sandbox_mode() == (mode[0], mode[1], False) == data.sandbox_mode()
+    assert capsys.readouterr().err.count("warning: the code sandbox runs without Landlock") == 1
+    assert "no Landlock" in data.sandbox_description() and data.check_program(ADD, ADD_TESTS, OK_LIMIT)
 
 
 def test_good_program_that_leaves_a_process_passes_and_is_cleaned_up(box_dir):
