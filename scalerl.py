@@ -351,7 +351,7 @@ def main(cfg):
     step, clock = trainer.restore_trainer(cfg, ckpt, resume_point, job, policy, opt, source, rollouts)
     if job.rank == 0:
         log = trainer.open_log(cfg, job, step, n_params, tok)
-        trainer.describe(cfg, job, n_params, len(train), len(val))
+        trainer.describe(cfg, job, n_params, len(train), len(val), tasks)
     task_of = {p.id: p.task for p in train} if len(tasks) > 1 else {}
 
     def evaluate_now(weights):  # held-out pass rate, logged (rank 0), not on the compute axis

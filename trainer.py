@@ -544,7 +544,7 @@ def no_signal(row, cfg):
     return f"warning: no learning signal for {NO_SIGNAL_STEPS} steps (every group zero-variance): {why}"
 
 
-def describe(cfg, job, n_params, n_train, n_val):
+def describe(cfg, job, n_params, n_train, n_val, tasks=()):
     """The numbers that matter, printed at start-up."""
     B, G, k = cfg.batch_prompts, cfg.group_size, cfg.max_lag
     print(f"scalerl | {cfg.model} {n_params / 1e6:.2f}M params, body {cfg.dtype}, head "
@@ -554,6 +554,8 @@ def describe(cfg, job, n_params, n_train, n_val):
           f"  {cfg.loss} loss, {cfg.agg} aggregation, {cfg.adv_norm} adv norm, zero-var filter {cfg.zero_var_filter}, "
           f"NPR {cfg.npr} | {'PipelineRL' if cfg.off_policy == 'pipeline' else 'PPO-off-policy'}-{k}, "
           f"{cfg.decode_per_step} decode steps per train step | engine {cfg.engine}, {cfg.slots} slots")
+    if "code" in tasks:  # which protections the code sandbox has on this machine (Landlock, namespaces, uids)
+        print(f"  code sandbox: {data.sandbox_description()}")
     if job.world > 1:
         fsdp = " (FSDP2)" if len(job.trainers) > 1 else ""
         print(f"  torchrun: {job.world} ranks | trainer ranks {job.trainers}{fsdp} | "

@@ -140,3 +140,19 @@ def test_tracker(own, tmp_path):
     else:
         assert p.returncode == 0, p.stderr[-3000:]
         assert any(name.startswith("events.") for name in os.listdir(out / "tensorboard"))
+
+
+def test_data_from_the_command_line(own, tmp_path):
+    """reasoning-gym options from --task_options reach the task; a named dataset offline without a local copy, an
+    unknown option and an unknown dataset name are one line each, naming the fix or the choices."""
+    model, rows, _ = own
+    p = run_command(command(own, tmp_path / "rg", "--task=rg:chain_sum", '--task_options={"min_terms": 3}',
+                            "--data_path=", "--max_steps=1", "--eval_every=1"), timeout=300)
+    assert p.returncode == 0 and "rg:chain_sum: " in p.stdout, p.stderr[-3000:]
+    for args, needle in ((["--task=gsm8k", "--data_path="], "--data_path"),
+                         (["--task=rg:chain_sum", '--task_options={"nope": 1}', "--data_path="], "nope"),
+                         (["--task=gsm8", "--data_path="], "gsm8k"),
+                         (["--task=rg:chain_sum", "--task_options=[1]"], "JSON object")):
+        line = one_line_error(run_command(command(own, tmp_path / "bad", *args)))
+        assert needle in line, line
+        assert not (tmp_path / "bad").exists()
