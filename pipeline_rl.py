@@ -130,39 +130,51 @@ class Engine:
 
 class SlotCache:
     """Per-layer KV buffers (slots, kv_heads, max_len, head_dim), the model's attention code's only contact: `update`
-    writes keys/values at `pos` of `rows` (all slots, or one) in place, returns their history up to `upto` (views)."""
+    writes keys/values of `rows` at positions `at` in place, returns their history up to `upto` (views for a range)."""
     def __init__(self, n_layers, slots, kv_heads, max_len, head_dim, dtype, device="cpu"):
         shape = (slots, kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.rows, self.pos, self.upto = slice(None), None, 0
+        self.rows, self.at, self.upto = slice(None), None, 0
 
     def update(self, k, v, layer_idx, *args, **kwargs):  # k, v: (R, kv_heads, n, head_dim)
         K, V = self.k[layer_idx], self.v[layer_idx]
-        if isinstance(self.rows, int):  # one slot, n new tokens at pos..pos+n-1 (prefill or forced tokens)
-            p, n = int(self.pos[0]), k.shape[2]
-            K[self.rows, :, p:p + n], V[self.rows, :, p:p + n] = k[0], v[0]
-            rows = slice(self.rows, self.rows + 1)
-        else:  # every slot, one new token each at its own position
-            every = torch.arange(K.shape[0], device=K.device)
-            K[every, :, self.pos], V[every, :, self.pos] = k[:, :, 0], v[:, :, 0]
-            rows = slice(None)
-        return K[rows, :, :self.upto], V[rows, :, :self.upto]
+        K[self.at], V[self.at] = k.transpose(1, 2), v.transpose(1, 2)  # at = (rows (R, 1), :, positions (R, n))
+        return K[self.rows, :, :self.upto], V[self.rows, :, :self.upto]
 
     def copy_slot(self, src, dst, n):
         for K, V in zip(self.k, self.v):
             K[dst, :, :n], V[dst, :, :n] = K[src, :, :n], V[src, :, :n]
 
 
+def slot_attention(module, query, key, value, attention_mask, horizon=None, **kwargs):
+    """The engine's attention (a `transformers` attention interface): its SDPA, except that in a decode step
+    `horizon` = (T, rows) has every row read keys up to T only, and `rows`, the few longer ones, again in full. Reading
+    keys is a large part of a step, and a slot past its interruption phrase must not make all read as far."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward as sdpa
+    if horizon is None:
+        return sdpa(module, query, key, value, attention_mask, **kwargs)
+    T, rows = horizon
+    out = sdpa(module, query, key[:, :, :T], value[:, :, :T], attention_mask[..., :T], **kwargs)[0]
+    if len(rows):
+        out[rows] = sdpa(module, query[rows], key[rows], value[rows], attention_mask[rows], **kwargs)[0]
+    return out, None
+
+
 class TorchEngine(Engine):
     """Continuous-batching KV-cache sampler for a `transformers` causal LM; a group's completions share one prefill."""
     def __init__(self, model, *, slots, head_dtype=torch.float32, seed=0, **rules):
+        from transformers import AttentionInterface
         super().__init__(seed=seed, **rules)
         self.model, self.head_dtype = model.eval(), head_dtype
         self.device, dtype, cfg = next(model.parameters()).device, next(model.parameters()).dtype, model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.cache = SlotCache(cfg.num_hidden_layers, slots, cfg.num_key_value_heads, self.max_len, head_dim, dtype,
                                self.device)
+        if cfg._attn_implementation == "sdpa":  # ours is that SDPA plus horizons; others (eager, flash...) stay
+            AttentionInterface.register("scalerl_slots", slot_attention)
+            model.set_attn_implementation("scalerl_slots")
+        self.horizons = cfg._attn_implementation == "scalerl_slots"  # else every row reads the longest row's keys
         self.slots = [None] * slots  # per slot: its Running completion, or None
         self.waiting = []            # [template, completions not started yet, the prompt's last hidden state]
         self.rng = torch.Generator(self.device).manual_seed(seed)  # token sampling
@@ -186,29 +198,44 @@ class TorchEngine(Engine):
         """Fill free slots, advance every running sequence one token; return the groups that finished."""
         done = []
         self._refill(done)
-        active = [i for i, run in enumerate(self.slots) if run is not None]
-        if not active:
+        runs = self._compact()
+        if not runs:
             return done
-        tokens = torch.tensor([[run.pending if run else 0] for run in self.slots], device=self.device)  # (S, 1)
-        pos = torch.tensor([run.length if run else 0 for run in self.slots], device=self.device)
-        hidden = self._forward(slice(None), tokens, pos)[:, -1]  # (S, H)
+        hidden = self._forward(range(len(runs)), [[run.pending] for run in runs], [run.length for run in runs])
         self.stats["decode_steps"] += 1
-        self.stats["busy_slot_steps"] += len(active)
-        for i in active:
-            self.slots[i].length += 1
-        self._advance(active, hidden[active], done)
+        self.stats["busy_slot_steps"] += len(runs)
+        for run in runs:
+            run.length += 1
+        self._advance(range(len(runs)), hidden[:, -1], done)
         return done
 
-    def _forward(self, rows, tokens, pos):  # tokens (R, n) written at pos (R,) + arange(n) -> hidden states (R, n, H)
-        n = tokens.shape[1]
-        self.cache.rows, self.cache.pos = rows, pos
-        self.cache.upto = upto = int(pos.max()) + n
-        qpos = pos[:, None] + torch.arange(n, device=pos.device)                              # (R, n)
-        allowed = torch.arange(upto, device=pos.device)[None, None, :] <= qpos[:, :, None]  # (R, n, upto)
+    def _compact(self):  # the running completions into the lowest slots (a KV copy each): a step decodes only those
+        runs = [run for run in self.slots if run is not None]
+        for hole, i in zip([i for i in range(len(runs)) if self.slots[i] is None],
+                           [i for i in range(len(runs), len(self.slots)) if self.slots[i] is not None]):
+            self.cache.copy_slot(i, hole, self.slots[i].length)
+            self.slots[hole], self.slots[i] = self.slots[i], None
+        return self.slots[:len(runs)]
+
+    def _forward(self, rows, tokens, pos):  # tokens (R, n) of slots `rows` at pos (R,) + arange(n) -> (R, n, H)
+        n, dev = len(tokens[0]), self.device
+        idx = torch.tensor(rows, device=dev)
+        qpos = torch.tensor(pos, device=dev)[:, None] + torch.arange(n, device=dev)  # (R, n)
+        self.cache.rows = slice(rows.start, rows.stop) if isinstance(rows, range) else idx  # a range: views, no copy
+        self.cache.at, self.cache.upto = (idx[:, None], slice(None), qpos), max(pos) + n
         dtype = self.cache.k[0].dtype
+        allowed = torch.arange(self.cache.upto, device=dev) <= qpos[:, :, None]             # (R, n, upto)
         mask = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]         # (R, 1, n, upto)
-        return self.model.model(input_ids=tokens, attention_mask=mask, position_ids=qpos, past_key_values=self.cache,
-                                use_cache=True).last_hidden_state
+        extra = dict(horizon=self._horizon([p + 1 for p in pos])) if n == 1 and self.horizons else {}
+        return self.model.model(input_ids=torch.tensor(tokens, device=dev), attention_mask=mask, position_ids=qpos,
+                                past_key_values=self.cache, use_cache=True, **extra).last_hidden_state
+
+    def _horizon(self, lengths):  # keys each row needs -> slot_attention's (T, longer rows), None: one horizon for all
+        top = sorted(lengths, reverse=True)
+        k = min(range(len(top)), key=lambda k: len(top) * top[k] + 3 * k * top[0])  # a longer row costs ~3 (a copy)
+        if k == 0:
+            return None
+        return top[k], torch.tensor([r for r, n in enumerate(lengths) if n > top[k]], device=self.device)
 
     def _sample(self, hidden):  # hidden (R, H) -> tokens (R,), behaviour logprobs (R,) after temperature
         logits = losses.head_logits(hidden, self.model.lm_head.weight, self.head_dtype)  # (R, V) float32
@@ -216,41 +243,51 @@ class TorchEngine(Engine):
         tokens = torch.multinomial(logp.exp(), 1, generator=self.rng)[:, 0]
         return tokens, logp.gather(-1, tokens[:, None])[:, 0]
 
-    def _refill(self, done):  # continuous batching: waiting completions start in free slots, one prefill per prompt
-        free = [i for i, run in enumerate(self.slots) if run is None]
-        while free and self.waiting:
-            template, n, hidden = self.waiting[0]
-            take, free = free[:n], free[n:]
-            P = len(template.prompt_tokens)
-            sibling = next((i for i, run in enumerate(self.slots) if run and run.sample.group == template.group), None)
-            if hidden is None or sibling is None:  # prefill (once per prompt while a sibling still holds its KV)
-                hidden = self._forward(take[0], torch.tensor([template.prompt_tokens], device=self.device),
-                                       torch.tensor([0], device=self.device))[0, -1]
-                sibling, self.stats["prefills"] = take[0], self.stats["prefills"] + 1
+    def _refill(self, done):  # continuous batching: waiting completions start in free slots; prompts share one forward
+        free, starts = [i for i, run in enumerate(self.slots) if run is None], []
+        while free and self.waiting:  # starts: [waiting entry, slots taken, a running sibling's slot (its prompt KV)]
+            entry = self.waiting[0]
+            take, free = free[:entry[1]], free[entry[1]:]
+            sibling = next((i for i, r in enumerate(self.slots) if r and r.sample.group == entry[0].group), None)
+            starts.append([entry, take, sibling])
+            for i in take:
+                self.slots[i] = self._start(entry[0], length=len(entry[0].prompt_tokens))
+            entry[1] -= len(take)  # the rest of the group waits for slots
+            if entry[1] == 0:
+                self.waiting.pop(0)
+        new = [s for s in starts if s[2] is None]  # no sibling holds the prompt's KV: prefill it
+        if new:  # right-padded: a pad's keys lie past its prompt, masked until the slot's own tokens overwrite them
+            prompts = [s[0][0].prompt_tokens for s in new]
+            P = max(map(len, prompts))
+            out = self._forward([s[1][0] for s in new], [p + [0] * (P - len(p)) for p in prompts], [0] * len(new))
+            for s, h, p in zip(new, out, prompts):
+                s[0][2], s[2] = h[len(p) - 1], s[1][0]  # the prompt's last hidden state: the group's rest reuses it
+            self.stats["prefills"] += len(new)
+        for entry, take, sibling in starts:
             for i in take:
                 if i != sibling:
-                    self.cache.copy_slot(sibling, i, P)
-                self.slots[i] = self._start(template, length=P)
-            self._advance(take, hidden.expand(len(take), -1), done)
-            self.waiting[0][1:] = [n - len(take), hidden]  # the rest of the group waits for slots
-            if len(take) == n:
-                self.waiting.pop(0)
+                    self.cache.copy_slot(sibling, i, len(entry[0].prompt_tokens))
+        if starts:
+            self._advance([i for s in starts for i in s[1]], torch.stack([s[0][2] for s in starts for _ in s[1]]), done)
 
     def _advance(self, idx, hidden, done):  # sample each slot's next token, apply the stop rules and the interruption
         tokens, logps = (x.tolist() for x in self._sample(hidden))  # one device sync per step
+        forced = []
         for i, token, logp in zip(idx, tokens, logps):
             run = self.slots[i]
             run.pending = token
             what = self._take(run, token, logp)
-            if what == "interrupt":  # the phrase goes into the slot's KV cache in one forward, as forced tokens
-                phrase = list(self.interrupt_ids)
-                self._forward(i, torch.tensor([[token] + phrase[:-1]], device=self.device),
-                              torch.tensor([run.length], device=self.device))
-                run.length, run.pending = run.length + len(phrase), phrase[-1]
-                self._force_phrase(run)
+            if what == "interrupt":
+                forced.append(i)
             elif what == "done":
                 self.slots[i] = None
                 self._finish(run.sample, done)
+        if forced:  # the phrase goes into these slots' KV caches in one forward, as forced tokens
+            phrase, runs = list(self.interrupt_ids), [self.slots[i] for i in forced]
+            self._forward(forced, [[run.pending] + phrase[:-1] for run in runs], [run.length for run in runs])
+            for run in runs:
+                run.length, run.pending = run.length + len(phrase), phrase[-1]
+                self._force_phrase(run)
 
 
 # --- The generating side of one process: prompts, rewards, curriculum -------------------------------------------------

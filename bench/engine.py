@@ -11,10 +11,10 @@ What is measured, each configuration run `--repeats` times with the same seed (i
             stop) and on (the phrase is inserted at the budget, then the answer gets its own budget).
             tokens = engine.stats["tokens"] (sampled and forced: each forced token costs a decode slot-step too);
             forced = inserted interruption tokens among them; intr% = share of completions interrupted;
-            prefill = prompt forwards (one per admission of a group, or of the part of a group that found free
-            slots: each a full model call); steps = decode steps; busy = busy_slot_steps / (steps * slots), the
-            share of slot-steps that advanced a running sequence (the rest is idle slots decoded for nothing,
-            mostly while the last groups drain).
+            prefill = model calls besides decode steps: prompt prefills (the prompts admitted in one step share
+            one, right-padded; a group's completions share their prompt's) and interruption-phrase writes (the
+            slots interrupted in one step share one); steps = decode steps; busy = busy_slot_steps / (steps *
+            slots), the share of slots running (a step decodes only those: it moves them to the lowest slots).
   generate  model.generate(do_sample=True, ...) on the same prompts repeated n times, left-padded, in one batch
             ("all") and in batches of `slots`. tokens = real generated tokens only (up to and including EOS);
             prefill = batches (one prompt forward each); steps = generation steps summed over batches;
@@ -80,8 +80,8 @@ def run_engine(model, tok, cfg, prompts, n, slots, interrupt, seed):
     eng = scalerl.make_engine(replace(cfg, engine="torch", slots=slots, interrupt=interrupt), model, tok, seed)
     prefills, forward = [0], eng._forward
 
-    def counting_forward(rows, tokens, pos):  # a prefill is the only forward on one slot (rows is an int)
-        prefills[0] += isinstance(rows, int)
+    def counting_forward(rows, tokens, pos):  # a decode step's rows are a range of slots; the other calls' a list
+        prefills[0] += not isinstance(rows, range)
         return forward(rows, tokens, pos)
     eng._forward = counting_forward
     templates = [pipeline_rl.Sample(i, i, p) for i, p in enumerate(prompts)]

@@ -215,6 +215,34 @@ def test_continuous_batching_refills_slots_and_shares_prefill():
         eng.add(pipeline_rl.Sample(0, 99, [5] * 9), 1)
 
 
+def test_shared_forwards_keep_logprobs_exact(monkeypatch):
+    """Prompts admitted together share one right-padded prefill, slots interrupted together one phrase write, running
+    slots move down as others finish, decode attention reads per-row horizons: still the trainer's numbers."""
+    seen = dict(prefill=0, phrase=0, horizons=0)
+    attend = pipeline_rl.slot_attention
+
+    def spy(module, query, key, value, mask, horizon=None, **kw):
+        seen["horizons"] += horizon is not None
+        return attend(module, query, key, value, mask, horizon=horizon, **kw)
+    monkeypatch.setattr(pipeline_rl, "slot_attention", spy)  # registered when the engine is built
+    m = tiny_model()
+    phrase = [7, 8, 9] * 6 + [CLOSE]  # long enough that interrupted slots read far more keys than the others
+    eng = pipeline_rl.TorchEngine(copy.deepcopy(m), slots=8, max_prompt=8, think_budget=(3, 5), answer_budget=6,
+                                  eos_id=EOS, think_close_ids=[CLOSE], interrupt_ids=phrase)
+    forward = eng._forward
+
+    def counting(rows, tokens, pos):
+        if not isinstance(rows, range) and len(rows) > 1:
+            seen["phrase" if len(tokens[0]) == len(phrase) else "prefill"] += 1
+        return forward(rows, tokens, pos)
+    monkeypatch.setattr(eng, "_forward", counting)
+    out = eng.generate(templates(10), 3)
+    assert min(seen.values()) > 0, seen
+    for s in (s for g in out for s in g):
+        free = ~torch.tensor(s.forced)
+        assert (trainer_logprobs(m, s) - torch.tensor(s.logprobs))[free].abs().max() < 2e-5
+
+
 def test_bad_scheduler_settings_are_refused():
     side = rollouts(tiny_model(vocab=len(TOK)))
     with pytest.raises(ValueError, match="k >= 1"):
