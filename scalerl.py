@@ -66,7 +66,7 @@ class Config:
     eval_only: bool = False            # evaluate out_dir's checkpoint (or --model) on the held-out prompts; no training
     export: bool = False               # write out_dir's checkpoint as a Hugging Face model to out_dir/hf, then exit
     tracker: str = "none"              # also log metrics to: none | tensorboard | wandb (metrics.jsonl stays)
-    threads: int = 1                   # torch CPU threads: tiny ops run fastest on one (0: torch default)
+    threads: int = 0                   # torch CPU threads; 0: two in one process (fewer cores: one), one per rank
     # model
     model: str = "tiny"                # "tiny" (a small Llama built in code, character tokenizer), or a hub name/path
     n_layer: int = 4                   # tiny model depth
@@ -299,8 +299,8 @@ def main(cfg):
         from runs.plan import plan
         return print(plan(cfg))
     t_start = time.time()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    one_process = int(os.environ.get("WORLD_SIZE", 1)) == 1  # two threads run the tiny model's matmuls 1.7x faster
+    torch.set_num_threads(cfg.threads or (min(2, os.cpu_count() or 1) if one_process else 1))
     if cfg.eval_only or cfg.export:
         return evaluate_or_export(cfg)
     job, ckpt, resume_point = start(cfg)  # roles, the checkpoint (rank 0), where the run resumes (every rank)

@@ -196,16 +196,22 @@ def warm_start(cfg, model, tok, out_root):
         ps = rng.sample(traces, cfg.sft_batch)
         prompts = [data.encode(tok, data.format_prompt(p.question, tok)) for p in ps]
         seqs = [pr + data.encode(tok, data.format_target(p)) + [tok.eos_token_id] for pr, p in zip(prompts, ps)]
-        ids, att, tmask = sequence_batch(seqs, [len(p) for p in prompts], tok.pad_token_id)
-        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        loss = (nll * tmask).sum() / tmask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        n_targets = sum(len(s) - len(p) for s, p in zip(seqs, prompts))
+        order, loss = sorted(range(len(seqs)), key=lambda i: len(seqs[i])), 0.0
+        for k in range(0, len(order), 16):  # 16 similar lengths at a time: a quarter less padding than one batch
+            part = order[k:k + 16]
+            ids, att, tmask = sequence_batch([seqs[i] for i in part], [len(prompts[i]) for i in part],
+                                             tok.pad_token_id)
+            logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
+            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+            part_loss = (nll * tmask).sum() / n_targets  # the batch's mean over target tokens, accumulated
+            part_loss.backward()
+            loss += part_loss.item()
         opt.step()
+        opt.zero_grad(set_to_none=True)
         if it % 100 == 0 or it == cfg.sft_steps - 1:
             eta = (time.time() - t0) / (it + 1) * (cfg.sft_steps - it - 1)
-            print(f"warm start {it:4d}/{cfg.sft_steps} | loss {loss.item():.3f} | {time.time() - t0:.0f}s | eta "
+            print(f"warm start {it:4d}/{cfg.sft_steps} | loss {loss:.3f} | {time.time() - t0:.0f}s | eta "
                   f"{eta / 60:.1f}m", flush=True)
     model.zero_grad(set_to_none=True)  # else the last SFT gradient would leak into the first RL step's
     os.makedirs(os.path.dirname(path), exist_ok=True)

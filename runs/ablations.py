@@ -86,7 +86,8 @@ def launch(name, out, extra):
         print(f"{name}: {run_dir} holds a run without a checkpoint; remove it to start over", flush=True)
         return 1
     os.makedirs(run_dir, exist_ok=True)
-    cmd = [sys.executable, os.path.join(ROOT, "scalerl.py"), f"--out_dir={run_dir}", *RUNS[name], *extra, *resume]
+    cmd = [sys.executable, os.path.join(ROOT, "scalerl.py"), f"--out_dir={run_dir}", "--threads=1", *RUNS[name], *extra,
+           *resume]  # --jobs runs side by side: one thread each
     print(f"{name}: {' '.join(cmd[1:])}", flush=True)
     t0 = time.time()
     with open(os.path.join(run_dir, "stdout.log"), "a") as log:
