@@ -15,6 +15,7 @@ import os
 import pickle
 import queue
 import random
+import shutil
 import sys
 import threading
 import time
@@ -666,9 +667,16 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
         if engine.version < received and (mode == "pipeline" or received % k == 0):
             engine.load_weights(weights, received)
         if received != saved and received % save_every == 0:
-            os.makedirs(os.path.dirname(state_path) or ".", exist_ok=True)
-            torch.save(dict(rollouts.state_dict(), version=received), state_path + ".tmp")
-            os.replace(state_path + ".tmp", state_path)
+            try:  # a full disk or a read-only folder: one line, no temporary left, the last good file kept
+                os.makedirs(os.path.dirname(state_path) or ".", exist_ok=True)
+                torch.save(dict(rollouts.state_dict(), version=received), state_path + ".tmp")
+                os.replace(state_path + ".tmp", state_path)
+            except (OSError, RuntimeError) as e:
+                with contextlib.suppress(OSError):
+                    os.remove(state_path + ".tmp")
+                free = shutil.disk_usage(os.path.dirname(os.path.abspath(state_path))).free
+                die(f"{job.name} cannot write {state_path} ({first_line(e)}; {free / 1e6:.1f} MB free); free space "
+                    "or fix its permissions, then --resume")
             saved = received
         while scoring and (stop or scoring[0][0].done()):  # scored groups go out in the order they finished
             future, groups = scoring.pop(0)

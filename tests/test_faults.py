@@ -170,3 +170,17 @@ def test_torchrun_sigterm_every_rank_stops_at_one_step(base):
                     env={"OMP_NUM_THREADS": "1"}, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     assert train_steps(out) == list(range(1, 41))
+
+
+def test_torchrun_generator_write_fails_cleanly(base):
+    """A generator rank that cannot write its part of the checkpoint (here its path is taken by a directory) ends
+    the job with one line naming the file, not a traceback; nothing half-written is left."""
+    out = base / "torchrun_genfail"
+    (out / "generator2.pt").mkdir(parents=True)
+    (out / "generator2.pt" / "keep").write_text("x")
+    cmd = torchrun_command("--standalone", "--nproc_per_node=3", *command(out, "--max_steps=4", "--gen_ranks=1",
+                                                                          "--dist_timeout=20")[1:])
+    p = run_command(cmd, env={"OMP_NUM_THREADS": "1"}, timeout=300)
+    assert p.returncode != 0
+    assert f"generator rank 2 cannot write {out / 'generator2.pt'}" in p.stderr, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr and not (out / "generator2.pt.tmp").exists()
