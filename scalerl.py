@@ -407,15 +407,10 @@ def main(cfg):
             break
     source.close()
     took["generation"] = source.totals()["gen_s"]  # under torchrun: summed over the generator ranks
-    if stop:  # preempted: the checkpoint is written; no export or fit, schedulers give seconds
-        pipeline_rl.dist_cleanup(job)
-        print0(f"stopped by {stop} at step {step}; checkpoint in {cfg.out_dir}: continue with --resume", flush=True)
-        raise SystemExit(143)
-    if job.rank == 0:
+    if job.rank == 0 and not stop:  # preempted: no export (schedulers give seconds)
         print(f"policy at step {step} written to {trainer.export_hf(cfg, model, tok, weights)} (from_pretrained, vLLM)")
     pipeline_rl.dist_cleanup(job)
-    if job.rank == 0:
-        finish(cfg, step, bad_run, tasks, dict(took, total=time.time() - t_start))
+    finish(cfg, step, bad_run, tasks, dict(took, total=time.time() - t_start), stop, job.rank)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -622,9 +617,14 @@ def restore_generator(rollouts, path, version):
         rollouts.load_state_dict(trainer.load_checkpoint(path, want=("version",)))
 
 
-def finish(cfg, step, bad_run, tasks, took):
-    """The end of the run on rank 0: a run of non-finite steps exits with one line; otherwise the sigmoid fit of
-    its own evaluations (Sec. 2.1), one curve per task (Sec. 7), and curve.png."""
+def finish(cfg, step, bad_run, tasks, took, stop, rank):
+    """The end of the run: preempted, exit 143 resumable; on rank 0, a run of non-finite steps exits with one line;
+    otherwise the sigmoid fit of its own evaluations (Sec. 2.1), one curve per task (Sec. 7), and curve.png."""
+    if stop:
+        print0(f"stopped by {stop} at step {step}; checkpoint in {cfg.out_dir}: continue with --resume", flush=True)
+        raise SystemExit(143)
+    if rank != 0:
+        return
     if bad_run >= cfg.max_nonfinite:
         fail(f"{bad_run} steps in a row had non-finite loss or gradients; the last good weights are checkpointed at "
              f"step {step} in {cfg.out_dir}; lower --lr or check the data, then --resume")
