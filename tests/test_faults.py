@@ -8,6 +8,7 @@
    the previous checkpoint and every logged row intact; --resume finishes once there is room.
 3. SIGTERM: the run finishes its step, checkpoints, exits 143 with a message; --resume then logs every step once.
    Two signals: the second exits at once. Under torchrun every rank stops at the same step.
+4. Under torchrun, a generator rank that cannot write its part of the checkpoint ends the job with one line.
 
 Run: python -m pytest tests/test_faults.py
 """
@@ -183,4 +184,6 @@ def test_torchrun_generator_write_fails_cleanly(base):
     p = run_command(cmd, env={"OMP_NUM_THREADS": "1"}, timeout=300)
     assert p.returncode != 0
     assert f"generator rank 2 cannot write {out / 'generator2.pt'}" in p.stderr, p.stderr[-3000:]
-    assert "Traceback" not in p.stderr and not (out / "generator2.pt.tmp").exists()
+    for module in ("scalerl.py", "pipeline_rl.py", "trainer.py"):  # no traceback through our code (torchrun's agent
+        assert f'{module}", line' not in p.stderr, p.stderr[-3000:]  # prints its own summary of the failed worker)
+    assert not (out / "generator2.pt.tmp").exists()
