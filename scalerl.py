@@ -308,9 +308,10 @@ def main(cfg):
     random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
     train, val, tasks = load_data(cfg)
     model, tok = load_model(cfg, tasks)
+    t_warm = time.time()
     if job.rank == 0 and not resume_point and cfg.model == "tiny":
         trainer.warm_start(cfg, model, tok, os.path.dirname(os.path.normpath(cfg.out_dir)) or ".")
-    took = dict(warm_start=time.time() - t_start, training=0.0, evaluation=0.0)  # seconds, for the end-of-run summary
+    took = dict(warm_start=time.time() - t_warm, training=0.0, evaluation=0.0)  # seconds, for the end-of-run summary
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
     if ckpt:  # resuming: the checkpoint's weights replace the warm start (or the hub's weights)
         with trainer.fits(ckpt_path):
