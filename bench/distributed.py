@@ -10,7 +10,7 @@ step 0 and at the end; they are outside every figure here). From metrics.jsonl, 
                   rollouts (2 ranks) or generating (single process)
 In one process, generation and training alternate, so per step t = t_gen + t_train. With two ranks they overlap, so
 t approaches max(t_gen, t_train) plus the weight broadcast: the speed-up approaches (t_gen + t_train) / max(...).
-The single process runs with `--threads` torch threads (1: what the tiny model runs fastest with; 2: both cores).
+The single process runs with `--threads` torch threads (1, or 2: both cores, the default of `python scalerl.py`).
 
 Run: python bench/distributed.py   (about 3 minutes on 2 CPU cores; `--steps 80` for steadier figures, extra
 scalerl options after `--`, e.g. `-- --batch_prompts=32`)

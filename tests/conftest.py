@@ -17,7 +17,7 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 
 import torch  # noqa: E402
 
-torch.set_num_threads(1)  # the test models are tiny: one thread is fastest and fair to a shared machine
+torch.set_num_threads(1)  # the test models are tiny: one thread is deterministic and fair to a shared machine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 if ROOT not in sys.path:
