@@ -76,13 +76,17 @@ class Engine:
         self.groups[template.group] = ([], n)
         self._queue(template, n)
 
-    def generate(self, templates, n):
-        """Run n completions of each template to the end; the groups in template order."""
+    def generate(self, templates, n, progress=None):
+        """Run n completions of each template to the end; the groups in template order. `progress(groups done)` is
+        called after every step that finishes some."""
         for t in templates:
             self.add(t, n)
         out = {}
         while self.busy:
-            out.update((g[0].group, g) for g in self.step())
+            finished = self.step()
+            out.update((g[0].group, g) for g in finished)
+            if progress and finished:
+                progress(len(out))
         return [out[t.group] for t in templates]
 
     def state_dict(self):

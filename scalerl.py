@@ -139,14 +139,14 @@ PAPER_8B = dict(model="Qwen/Qwen3-8B", task="polaris", n_train=60000, eval_promp
                 engine="vllm", batch_prompts=48, group_size=16, max_prompt=2048, think_min=10240, think_max=12288,
                 answer_budget=2048, slots=256, off_policy="pipeline", max_lag=8, decode_per_step=0, loss="cispo",
                 lr=5e-7, warmup_steps=100, adam_eps=1e-15, weight_decay=0.01, micro_batch_tokens=32768,
-                gen_share=0.8, dist_timeout=1800.0, threads=0)
+                gen_share=0.8, dist_timeout=1800.0)
 # A model from the hub or a path starts from these (not the tiny model's budgets, sized for a 1M-parameter model):
 # Qwen3-style thinking lengths cut to what one GPU generates in minutes, an LR between the paper's 5e-7 at 8B and
 # what small models take, RL straight from the model (no warm start). Ours, not the paper's (choice).
 HUB = dict(sft_steps=0, dtype="bfloat16", max_prompt=512, think_min=768, think_max=1024, answer_budget=256,
            batch_prompts=32, group_size=8, slots=64, lr=1e-6, warmup_steps=10, adam_eps=1e-15, max_steps=200,
            eval_every=20, ckpt_every=20, eval_prompts=256, eval_samples=4, n_train=100000, decode_per_step=0,
-           micro_batch_tokens=16384, max_lag=4, threads=0, plan_gpus=1)
+           micro_batch_tokens=16384, max_lag=4, plan_gpus=1)
 PRESETS = {
     "tiny": {},
     "smoke": dict(max_steps=4, eval_every=2, eval_prompts=8, eval_samples=2, n_train=200, sft_steps=20,
@@ -514,17 +514,14 @@ def evaluate(engine, scorer, templates, n, seed, tasks=(), progress=False):
     depends on the weights and `seed` only (sampling and thinking budgets are re-seeded)."""
     engine.rng.manual_seed(seed)
     engine.budget_rng.seed(seed)
-    for t in templates:
-        engine.add(t, n)
-    finished, t0, shown = {}, time.time(), time.time()
-    while engine.busy:
-        for g in engine.step():
-            finished[g[0].group] = g
-        if progress and time.time() - shown > 30:  # long evaluations (1,000 prompts x 16 at 14k tokens) show progress
-            shown, left = time.time(), len(templates) - len(finished)
-            print0(f"  evaluating: {len(finished)}/{len(templates)} prompts done, eta "
-                   f"{(shown - t0) / max(len(finished), 1) * left / 60:.1f}m", flush=True)
-    groups = [finished[t.group] for t in templates]
+    t0, shown = time.time(), [time.time()]
+
+    def show(done):  # long evaluations (1,000 prompts x 16 at 14k tokens) say how far they are, every 30 s
+        if time.time() - shown[0] > 30:
+            shown[0] = time.time()
+            print0(f"  evaluating: {done}/{len(templates)} prompts done, eta "
+                   f"{(shown[0] - t0) / done * (len(templates) - done) / 60:.1f}m", flush=True)
+    groups = engine.generate(templates, n, show if progress else None)
     scorer.score(groups)
     samples = [s for g in groups for s in g]
     passed = np.array([s.reward for s in samples]) > 0
@@ -570,9 +567,13 @@ def evaluate_or_export(cfg):
                   progress=True)
     row = dict(step=step, model=cfg.model if not ckpt else ckpt_path, **pr, eval_samples=cfg.eval_samples,
                time=time.strftime("%Y-%m-%d %H:%M:%S"))
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    with open(os.path.join(cfg.out_dir, "evals.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
+    path = os.path.join(cfg.out_dir, "evals.jsonl")
+    try:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    except OSError as e:  # a full disk or a read-only folder: one line, as for every write of a run
+        trainer.write_failed(path, e)
     where = f"mean@{cfg.eval_samples}, {len(val)} prompts, step {step}"
     print(f"held-out pass rate {pr['pass_rate']:.3f}{trainer.per_task(pr, 'pass_rate', tasks)} ({where}) in "
           f"{time.time() - t0:.0f}s; appended to {cfg.out_dir}/evals.jsonl")
