@@ -23,10 +23,7 @@ def main():
     ap.add_argument("--workers", default="1,2,4,8", help="comma-separated thread counts")
     ap.add_argument("--tests", type=int, default=100, help="tests in the DeepCoder-sized case")
     args = ap.parse_args()
-    mode = data.sandbox_mode()
-    print(f"sandbox: {'namespaces (' + ' '.join(mode[0][1:]) + ')' if mode and mode[0] else 'no namespaces'}, "
-          f"{'a uid of its own' if mode and mode[1] else 'this uid'} | {os.cpu_count()} CPUs, load "
-          f"{os.getloadavg()[0]:.1f}")
+    print(f"sandbox: {data.sandbox_description()} | {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
     good = data.code_problems(args.n // 2, seed=0)
     bad = data.code_problems(args.n - args.n // 2, seed=0, start_id=args.n, error_rate=1.0)
     jobs = [(data.format_target(p).split(data.THINK_CLOSE)[1], data.code_tests(p.answer)) for p in good + bad]
