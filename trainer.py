@@ -215,8 +215,9 @@ def warm_start(cfg, model, tok, out_root):
                   f"{eta / 60:.1f}m", flush=True)
     model.zero_grad(set_to_none=True)  # else the last SFT gradient would leak into the first RL step's
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save(model.state_dict(), path + ".tmp")
-    os.replace(path + ".tmp", path)
+    tmp = f"{path}.{os.getpid()}.tmp"  # the cache is shared: runs started side by side each write their own
+    torch.save(model.state_dict(), tmp)
+    os.replace(tmp, path)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Under torchrun: FSDP2 over the trainer ranks
