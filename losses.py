@@ -43,8 +43,9 @@ def group_advantages(rewards, group, norm="batch", eps=1e-6):
     adv = r - (per_group(r) / count)[idx]
     live = (per_group(r, "amax") > per_group(r, "amin"))[idx]  # (B,) the group's rewards differ
     adv = torch.where(live, adv, torch.zeros_like(adv))  # exactly 0, not round-off
-    if norm == "batch":  # ScaleRL: one std over the completions of the kept groups (unbiased; our choice)
-        std = adv[live].std() if live.sum() > 1 else 0.0  # no live group: nothing to learn from
+    if norm == "batch":  # ScaleRL: one std over every completion passed in (unbiased; our choice): with the
+        # zero-variance filter off, the flat groups' zero advantages count too
+        std = adv.std() if live.any() and adv.numel() > 1 else 0.0  # no live group: nothing to learn from
         return adv / std if std > 0 else torch.zeros_like(adv)
     if norm == "prompt":  # GRPO: each group by its own (unbiased) std
         var = per_group(adv * adv) / (count - 1).clamp(min=1)

@@ -519,6 +519,15 @@ def dist_init(gen_ranks=0, timeout=60.0, gen_share=0.5):
     return job
 
 
+def local_group():
+    """A process group of this process alone (FSDP2's mixed precision in one process needs one); vLLM's if it made
+    one."""
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
+    return dist.group.WORLD
+
+
 def dist_cleanup(job):
     if job.world > 1:
         dist.destroy_process_group()

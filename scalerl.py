@@ -72,7 +72,8 @@ class Config:
     n_layer: int = 4                   # tiny model depth
     n_embd: int = 128                  # tiny model width
     n_head: int = 4                    # tiny model heads (head size n_embd/n_head = 32: vLLM CPU supports it)
-    dtype: str = "float32"             # body precision: float32 | bfloat16 (trainer autocasts; generator holds a copy)
+    dtype: str = "float32"             # body precision: float32 | bfloat16 (both sides compute the body in it; the
+                                       # trainer keeps fp32 masters, FSDP2 mixed precision)
     fp32_head: bool = True             # LM head in FP32 on generator and trainer (Sec. 3.2); off = head in body dtype
     # data
     task: str = "arith"                # prompts: arith | code | rg:<task> | gsm8k | math | polaris | deepcoder | a
@@ -124,6 +125,7 @@ class Config:
     grad_clip: float = 1.0             # max gradient norm
     max_nonfinite: int = 3             # stop, checkpointing the last good weights, after N non-finite steps in a row
     micro_batch_tokens: int = 8192     # trainer micro-batch size in tokens (gradients accumulate exactly)
+    act_ckpt: bool = False             # activation checkpointing per decoder layer (recompute in backward, less memory)
     # torchrun (a plain `python scalerl.py` is one process doing everything)
     gen_ranks: int = 0                 # generator ranks (0: gen_share of the world); the others train, FSDP2 if > 1
     gen_share: float = 0.5             # generators' share of the world when gen_ranks is 0 (paper: 64 of 80 GPUs)
@@ -312,10 +314,8 @@ def main(cfg):
     if job.rank == 0 and not resume_point and cfg.model == "tiny":
         trainer.warm_start(cfg, model, tok, os.path.dirname(os.path.normpath(cfg.out_dir)) or ".")
     took = dict(warm_start=time.time() - t_warm, training=0.0, evaluation=0.0)  # seconds, for the end-of-run summary
-    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
     if ckpt:  # resuming: the checkpoint's weights replace the warm start (or the hub's weights)
-        with trainer.fits(ckpt_path):
-            model.load_state_dict(ckpt["model"])
+        trainer.load_weights(model, ckpt, cfg.out_dir)
     if resume_point or cfg.model == "tiny":
         pipeline_rl.broadcast_from_rank0(job, model)  # every rank starts from rank 0's weights
     model.to(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")  # a GPU per rank
@@ -339,11 +339,13 @@ def main(cfg):
         eval_engine = make_engine(cfg, model, tok, cfg.seed + 1)
         scorer = rollouts if job.world == 1 else pipeline_rl.Rollouts(eval_engine, None, tok, cfg.max_prompt)
         held_out = held_out_templates(scorer, val)
-    body_dtype = getattr(torch, cfg.dtype)  # fp32 master weights; the body autocasts when dtype is lower
+    body_dtype = getattr(torch, cfg.dtype)  # fp32 master weights; the body computes in the body dtype
     head_dtype = torch.float32 if cfg.fp32_head else body_dtype  # the FP32 head (Sec. 3.2)
-    policy = trainer.Policy(model, cfg.temperature, body_dtype, head_dtype, tok.pad_token_id)
-    if len(job.trainers) > 1:
-        trainer.shard(policy, model.model.layers, job)
+    if cfg.act_ckpt:  # each decoder layer's activations recomputed in the backward pass
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+    policy = trainer.Policy(model, cfg.temperature, head_dtype, tok.pad_token_id)
+    if len(job.trainers) > 1 or body_dtype != torch.float32:  # FSDP2: shards, mixed precision, or both
+        trainer.shard(policy, model.model.layers, job.groups.get("trainer") or pipeline_rl.local_group(), body_dtype)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
                             weight_decay=cfg.weight_decay)
     source = pipeline_rl.Scheduler(rollouts, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
@@ -364,12 +366,11 @@ def main(cfg):
         return f"held-out pass rate {pr['pass_rate']:.3f}{trainer.per_task(pr, 'pass_rate', tasks)}"
 
     # -- the loop: the same for one process and for every trainer rank under torchrun ----------------------------
-    weights = trainer.full_state_dict(model)  # full weights (FSDP2: gathered on every trainer rank)
+    weights = trainer.policy_weights(policy, body_dtype, keep=job.rank == 0)  # body dtype, on trainer rank 0
     if step == 0 and not cfg.resume:  # a resume at step 0 already logged this eval
-        opt_state = trainer.optimizer_state(job, policy, opt)  # every trainer rank (FSDP2 gathers)
         if job.rank == 0:
             print(f"step    0 | {evaluate_now(weights)} (before RL: R0)")
-            trainer.save_checkpoint(ckpt_path, weights, opt_state, step, clock, source, job, rollouts)
+        trainer.save_checkpoint(cfg, step, clock, source, job, policy, opt, rollouts)  # every trainer rank
     t_loop, first, eval_0, bad_run, idle, stop = time.time(), step, took["evaluation"], 0, 0, None
     while step < cfg.max_steps:
         t0, c0, gen0 = time.time(), time.process_time(), source.totals()
@@ -378,7 +379,7 @@ def main(cfg):
         stats = trainer.train_step(policy, opt, batch.kept, cfg, step, job)
         t_train = time.time() - t1
         took["training"] += t_train
-        weights = trainer.full_state_dict(model)
+        weights = trainer.policy_weights(policy, body_dtype, keep=job.rank == 0)
         source.push_weights(weights)  # in flight to the generators (PipelineRL) or after k steps (PPO-off-policy)
         step += 1
         stop = preempt.signal if len(job.trainers) == 1 else pipeline_rl.share(job, preempt.signal)  # rank 0's word
@@ -387,7 +388,6 @@ def main(cfg):
         clock["cpu_hours"] += (time.process_time() - c0) / 3600  # this process's CPU time: immune to a busy machine
         bad_run = 0 if stats["finite"] else bad_run + 1
         save = step % cfg.ckpt_every == 0 or step == cfg.max_steps or bad_run >= cfg.max_nonfinite or stop
-        opt_state = trainer.optimizer_state(job, policy, opt) if save else None  # every trainer rank (FSDP2 gathers)
         if job.rank == 0:
             row = trainer.metrics_row(step, clock, batch, stats, source.totals(), gen0, dt, t_train,
                                       max(len(job.generators), 1), source, task_of)
@@ -402,8 +402,8 @@ def main(cfg):
             if step % cfg.eval_every == 0 or step == cfg.max_steps:
                 line += " | " + evaluate_now(weights)
             print(line, flush=True)
-            if save:  # after skipped steps the weights are still the last good ones
-                trainer.save_checkpoint(ckpt_path, weights, opt_state, step, clock, source, job, rollouts)
+        if save:  # every trainer rank; after skipped steps the weights are still the last good ones
+            trainer.save_checkpoint(cfg, step, clock, source, job, policy, opt, rollouts)
         if bad_run >= cfg.max_nonfinite or stop:
             break
     source.close()
@@ -493,10 +493,13 @@ def make_engine(cfg, model, tok, seed, device=None):
     """A generation engine (--engine): its own copy of `model` in the body dtype, the run's budgets and sampling."""
     engine_cls = pipeline_rl.VLLMEngine if cfg.engine == "vllm" else pipeline_rl.TorchEngine
     device, dtype = device or next(model.parameters()).device, getattr(torch, cfg.dtype)
-    cast = {id(p): torch.nn.Parameter(p.detach().to(device, dtype), False) for p in model.parameters()}
+    head = model.lm_head.weight if cfg.fp32_head and model.lm_head.weight is not model.get_input_embeddings().weight \
+        else None  # an untied FP32 head stays fp32 on the generator too (Sec. 3.2); buffers (RoPE) stay as they are
+    cast = {id(p): torch.nn.Parameter(p.detach().to(device, torch.float32 if p is head else dtype), False)
+            for p in model.parameters()}
     try:  # parameters cast while copied: never a second fp32 copy of the model on the device
         return engine_cls(
-            copy.deepcopy(model, cast).to(device, dtype), slots=cfg.slots, max_prompt=cfg.max_prompt,
+            copy.deepcopy(model, cast).to(device), slots=cfg.slots, max_prompt=cfg.max_prompt,
             think_budget=(cfg.think_min, cfg.think_max), answer_budget=cfg.answer_budget, eos_id=tok.eos_token_id,
             think_close_ids=data.encode(tok, data.THINK_CLOSE), temperature=cfg.temperature,
             interrupt_ids=data.encode(tok, data.INTERRUPT_PHRASE.removesuffix(data.THINK_CLOSE))
@@ -553,8 +556,7 @@ def evaluate_or_export(cfg):
     train, val, tasks = load_data(cfg)
     model, tok = load_model(cfg, tasks)
     if ckpt:
-        with trainer.fits(ckpt_path):
-            model.load_state_dict(ckpt["model"])
+        trainer.load_weights(model, ckpt, cfg.out_dir)
     if cfg.export:
         trainer.lock_run_dir(cfg.out_dir)
         path = trainer.export_hf(cfg, model, tok, model.state_dict())
@@ -605,7 +607,7 @@ def start(cfg):
         admitted = ckpt["version"] * cfg.batch_prompts + ckpt["stale"]
         for key, n in (("version", ckpt["version"]), ("admitted", admitted), ("dropped", ckpt["stale"])):
             pipeline_rl.counter(job, key, n)
-    resume_point = {k: ckpt[k] for k in ("step", "version", "stale")} if ckpt else None
+    resume_point = {k: ckpt.get(k) for k in ("step", "version", "stale", "shards")} if ckpt else None
     return job, ckpt, pipeline_rl.share(job, resume_point, everyone=True)
 
 

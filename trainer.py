@@ -75,21 +75,32 @@ def loss_options(cfg):
         k: v for k, v in (("eps_low", cfg.eps_low), ("eps_high", cfg.eps_high)) if v >= 0}
 
 
-class Policy(torch.nn.Module):
-    """The trainer's forward as one module call, token logprobs (N, L-1) of ids (N, L): the body autocast to
-    `body_dtype` over fp32 master weights, the head in `head_dtype` (FP32 head, Sec. 3.2). One call is what FSDP2
-    needs: its hooks gather every weight the call uses, the head's included."""
-    def __init__(self, lm, temperature, body_dtype, head_dtype, pad_id=0):
+class Head(torch.nn.Module):
+    """The LM head as a module of its own: token logprobs (N, T) of `targets` after the temperature, in `dtype` (the
+    FP32 head, Sec. 3.2). Under FSDP2 an untied head is a unit of its own, kept in that dtype while the body computes
+    in the body dtype; the body's matmuls never see it."""
+    def __init__(self, linear, temperature, dtype):
         super().__init__()
-        self.lm, self.temperature, self.body_dtype, self.head_dtype = lm, temperature, body_dtype, head_dtype
-        self.pad_id = pad_id  # fills the batch's padding (masked out of the loss)
+        self.linear, self.temperature, self.dtype = linear, temperature, dtype
+
+    def forward(self, hidden, targets):
+        out = losses.head_logprobs(hidden, self.linear.weight, targets, self.temperature, self.dtype)
+        return out.clone()  # not a view: FSDP2 hooks its backward onto the output
+
+
+class Policy(torch.nn.Module):
+    """The trainer's forward as one module call, token logprobs (N, L-1) of ids (N, L). With a body dtype below fp32
+    the parameters are fp32 masters and FSDP2's mixed precision (`shard`, one process included) runs the body on a
+    bf16 copy, so trainer and generator compute it alike, and the head in its own dtype (Sec. 3.2, Fig. 5b). One call
+    is what FSDP2 needs: its hooks gather every weight the call uses."""
+    def __init__(self, lm, temperature, head_dtype=torch.float32, pad_id=0):
+        super().__init__()
+        self.lm, self.head, self.pad_id = lm, Head(lm.lm_head, temperature, head_dtype), pad_id
+        self.tied = lm.lm_head.weight is lm.get_input_embeddings().weight  # a tied head is the embedding, in the body
 
     def forward(self, ids, att):
-        with torch.autocast(ids.device.type, dtype=self.body_dtype, enabled=self.body_dtype != torch.float32):
-            hidden = self.lm.model(input_ids=ids, attention_mask=att).last_hidden_state  # (N, L, H)
-        logp = losses.head_logprobs(hidden[:, :-1], self.lm.lm_head.weight, ids[:, 1:], self.temperature,
-                                    self.head_dtype)
-        return logp.clone()  # not a view: FSDP2 hooks its backward onto the output
+        hidden = self.lm.model(input_ids=ids, attention_mask=att, use_cache=False).last_hidden_state  # (N, L, H)
+        return self.head(hidden[:, :-1], ids[:, 1:])
 
 
 def micro_batches(order, lengths, budget):
@@ -146,7 +157,8 @@ def train_step(policy, opt, groups, cfg, step, job=pipeline_rl.Dist()):
     lr = cfg.lr * min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
     for group in opt.param_groups:
         group["lr"] = lr
-    if not groups:  # every group was zero-variance: no signal, no update
+    if not any(len({s.reward for s in g}) > 1 for g in groups):  # every group zero-variance (filtered out, or kept
+        # with the filter off): no signal, no update (AdamW's weight decay would still move the weights)
         return dict(loss=0.0, clip_frac=0.0, ratio_mean=1.0, ratio_max=1.0, mismatch_kl=0.0, n_tokens=0, finite=True,
                     lr=lr)
     rank, n_trainers = job.trainers.index(job.rank), len(job.trainers)
@@ -223,44 +235,88 @@ def warm_start(cfg, model, tok, out_root):
 # Under torchrun: FSDP2 over the trainer ranks
 
 
-def shard(module, layers, job):
-    """FSDP2 over the trainer ranks: each of `layers` one unit, the rest (embeddings, final norm, head) the root.
+def shard(policy, layers, group, body_dtype=torch.float32):
+    """FSDP2 over the trainer ranks of `group` (one process: a group of one, for the mixed precision): each of `layers`
+    a unit, the untied head a unit in its own dtype, the rest (embeddings, final norm) the root. Parameters, gradient
+    reduction and AdamW stay fp32; a unit's parameters are cast to the body dtype while it computes (Sec. 3.2).
     Gradients are summed, not averaged: each rank's loss is its part of the whole batch's loss."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-    mesh = DeviceMesh.from_group(job.groups["trainer"], next(module.parameters()).device.type)
-    for m in [*layers, module]:
-        fully_shard(m, mesh=mesh)
-    for m in module.modules():
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    mesh = DeviceMesh.from_group(group, next(policy.parameters()).device.type)
+    body = MixedPrecisionPolicy(param_dtype=body_dtype, reduce_dtype=torch.float32)
+    for m in layers:
+        fully_shard(m, mesh=mesh, mp_policy=body)
+    if not policy.tied:
+        fully_shard(policy.head, mesh=mesh, mp_policy=MixedPrecisionPolicy(policy.head.dtype, torch.float32))
+    head = set() if policy.tied else set(policy.head.parameters())  # the root reaches it through lm.lm_head too
+    fully_shard(policy, mesh=mesh, mp_policy=body, ignored_params=head)
+    for m in policy.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no average or pre-scaled sum
-    return module
+    return policy
 
 
 def full_state_dict(module):
-    """Full (unsharded) weights; under FSDP2 every trainer rank must call it (one all-gather per tensor)."""
+    """Full (unsharded) fp32 weights; under FSDP2 every trainer rank must call it (one all-gather per tensor)."""
     from torch.distributed.tensor import DTensor
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
 
 
-def optimizer_state(job, module, opt):
-    """The optimizer state for a checkpoint. Under FSDP2 every trainer rank must call it: the shards are gathered in
-    full on trainer rank 0 (the others get {}); simple, but at 8B scale that is the whole AdamW state in one CPU."""
-    if len(job.trainers) == 1:
-        return opt.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-    with pipeline_rl.waiting_for(job, f"optimizer shards of trainer ranks {job.trainers}"):
-        return get_optimizer_state_dict(module, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def policy_weights(policy, body_dtype, keep=True):
+    """The weights the generator and the export take: the body in its dtype, an untied head in the head's (the FP32
+    head, Sec. 3.2), gathered one tensor at a time in that dtype, never a full fp32 copy. Under FSDP2 every trainer
+    rank must call it; only the rank with `keep` holds the result (the others get {})."""
+    from torch.distributed.tensor import DTensor
+    out = {}
+    for name, v in policy.lm.state_dict().items():
+        v = v.detach().to(policy.head.dtype if name == "lm_head.weight" and not policy.tied else body_dtype)
+        v = v.full_tensor() if isinstance(v, DTensor) else v
+        if keep:
+            out[name] = v
+    return out
 
 
-def load_optimizer_state(job, module, opt, state):
-    """The inverse, on every trainer rank: `state` is trainer rank 0's (None elsewhere); FSDP2 ranks keep their
-    shard."""
-    if len(job.trainers) == 1:
-        return opt.load_state_dict(state)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-    set_optimizer_state_dict(module, opt, pipeline_rl.share(job, state), options=StateDictOptions(full_state_dict=True))
+def sharded(policy):
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(policy, FSDPModule)
+
+
+def save_shards(job, policy, opt, where):
+    """Under torchrun, every trainer rank: its shard of the fp32 weights and the optimizer state, written with
+    torch.distributed.checkpoint into the directory `where` (nothing is gathered)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model_sd, opt_sd = get_state_dict(policy.lm, opt)
+    try:
+        with pipeline_rl.waiting_for(job, f"checkpoint shards of trainer ranks {job.trainers}"):
+            dcp.save(dict(model=model_sd, opt=opt_sd), checkpoint_id=where, process_group=job.groups["trainer"])
+    except (OSError, dcp.api.CheckpointException) as e:  # a full disk on any rank fails the save on every rank
+        write_failed(where, e if isinstance(e, OSError) else OSError(errno.EIO, pipeline_rl.first_line(e)))
+
+
+def load_shards(job, policy, opt, where):
+    """The inverse, on every trainer rank: each reads its own shard (the same number of trainer ranks)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model_sd, opt_sd = get_state_dict(policy.lm, opt)
+    with pipeline_rl.waiting_for(job, f"checkpoint shards of trainer ranks {job.trainers}"):
+        dcp.load(dict(model=model_sd, opt=opt_sd), checkpoint_id=where, process_group=job.groups["trainer"])
+    set_state_dict(policy.lm, opt, model_state_dict=model_sd, optim_state_dict=opt_sd)
+
+
+def load_weights(model, ckpt, out_dir):
+    """A checkpoint's fp32 weights into an unsharded `model`, in one process: from ckpt.pt, or read in full from the
+    shards a torchrun job wrote (torch.distributed.checkpoint reshards on load), to the CPU."""
+    path = os.path.join(out_dir, "ckpt.pt")
+    with fits(path):
+        if "model" in ckpt:
+            return model.load_state_dict(ckpt["model"])
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+        state = get_model_state_dict(model)
+        dcp.load(dict(model=state), checkpoint_id=os.path.join(out_dir, ckpt["shards"]), no_dist=True)
+        set_model_state_dict(model, state)
 
 
 def reduce_metrics(job, sums, maxes):
@@ -390,15 +446,21 @@ class Preemption:
                flush=True)
 
 
-def load_checkpoint(path, want=("model", "opt", "step", "device_hours", "version", "stale", "torch_rng")):
-    """A checkpoint's contents (plain tensors and containers only); a one-line exit if it is unreadable or foreign."""
+def load_checkpoint(path, want=("step", "device_hours", "version", "stale", "torch_rng")):
+    """A checkpoint's contents, to the CPU (plain tensors and containers only); a one-line exit if it is unreadable,
+    foreign, or names shards that are not there."""
     try:
-        ckpt = torch.load(path, weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 -- truncated, garbage or unsafe pickles all mean: not usable
         fail(f"checkpoint {path} is unreadable ({type(e).__name__}); restore a good copy or start a fresh --out_dir")
     missing = sorted(set(want) - set(ckpt)) if isinstance(ckpt, dict) else "everything"
+    if not missing and "step" in want and "model" not in ckpt and "shards" not in ckpt:
+        missing = ["model"]
     if missing:
         fail(f"{path} is not a scalerl checkpoint (missing {missing}); start a fresh --out_dir")
+    shards = os.path.join(os.path.dirname(path), ckpt.get("shards", ""))
+    if "shards" in ckpt and not os.path.exists(os.path.join(shards, ".metadata")):
+        fail(f"checkpoint {path} names {shards}, which is missing or incomplete; restore it or start a fresh --out_dir")
     return ckpt
 
 
@@ -412,14 +474,29 @@ def fits(path):
              "it was written with (config.json) or start a fresh --out_dir")
 
 
-def save_checkpoint(path, weights, opt_state, step, clock, source, job, rollouts=None):
-    """Everything --resume needs from the trainer; in one process also the generating side's state (under torchrun
-    each generator rank keeps its own, generator<rank>.pt)."""
-    ckpt = dict(model=weights, opt=opt_state, step=step, version=source.version, stale=source.dropped_stale,
-                torch_rng=torch.get_rng_state(), world=job.world, generators=job.generators, **clock)
+def save_checkpoint(cfg, step, clock, source, job, policy, opt, rollouts=None):
+    """Everything --resume needs from the trainer; every trainer rank calls it. In one process: one file, ckpt.pt,
+    with the fp32 weights, the optimizer state and the generating side. Under torchrun: each trainer rank writes its
+    shard into shards-<step>/ (`save_shards`), then trainer rank 0 writes ckpt.pt, the marker that names them, and
+    removes older shards; a kill at any point leaves ckpt.pt naming a complete set. (Generator ranks keep their own
+    state, generator<rank>.pt.)"""
+    ckpt = dict(step=step, version=source.version, stale=source.dropped_stale, torch_rng=torch.get_rng_state(),
+                world=job.world, generators=job.generators, **clock)
     if job.world == 1:
-        ckpt["generating"] = rollouts.state_dict()
-    write_atomic(path, lambda tmp: torch.save(ckpt, tmp), tensor_bytes(ckpt))
+        opt_state = opt.state_dict()
+        if sharded(policy):  # FSDP2 over one process: plain tensors, for a file any run can read
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+            opt_state = get_optimizer_state_dict(policy, opt, options=StateDictOptions(full_state_dict=True))
+        ckpt.update(model=full_state_dict(policy.lm), opt=opt_state, generating=rollouts.state_dict())
+    else:
+        ckpt["shards"] = f"shards-{step:06d}"
+        save_shards(job, policy, opt, os.path.join(cfg.out_dir, ckpt["shards"]))
+        if job.rank != 0:
+            return
+    write_atomic(os.path.join(cfg.out_dir, "ckpt.pt"), lambda tmp: torch.save(ckpt, tmp), tensor_bytes(ckpt))
+    for old in os.listdir(cfg.out_dir):  # shards no checkpoint names any more
+        if old.startswith("shards-") and old != ckpt.get("shards"):
+            shutil.rmtree(os.path.join(cfg.out_dir, old), ignore_errors=True)
 
 
 def read_metrics(path, upto_step):
@@ -570,12 +647,19 @@ def describe(cfg, job, n_params, n_train, n_val, tasks=()):
 
 
 def restore_trainer(cfg, ckpt, resume_point, job, policy, opt, source, rollouts):
-    """--resume on a trainer rank: the optimizer state (FSDP2: this rank's shard), the batch source's counters, and in
-    one process the generating side. Returns (step, clock); a fresh run starts at step 0 with a zero clock."""
+    """--resume on a trainer rank: the weights and optimizer state (under torchrun: this rank's shards), the batch
+    source's counters, and in one process the generating side. Returns (step, clock); a fresh run starts at step 0
+    with a zero clock."""
     if not resume_point:
         return 0, dict(device_hours=0.0, cpu_hours=0.0)
     with fits(os.path.join(cfg.out_dir, "ckpt.pt")):
-        load_optimizer_state(job, policy, opt, ckpt["opt"] if ckpt else None)
+        if job.world > 1:
+            load_shards(job, policy, opt, os.path.join(cfg.out_dir, resume_point["shards"]))
+        elif sharded(policy):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+            set_optimizer_state_dict(policy, opt, ckpt["opt"], options=StateDictOptions(full_state_dict=True))
+        else:
+            opt.load_state_dict(ckpt["opt"])
         if job.world == 1:
             rollouts.load_state_dict(ckpt["generating"])
     source.version, source.dropped_stale = resume_point["version"], resume_point["stale"]

@@ -5,7 +5,8 @@
    update of 1 process on the same batch, to float round-off; the ranks run unequal micro-batch counts on purpose.
 3. `torchrun --standalone --nproc_per_node=2 scalerl.py --config smoke`: 1 generator + 1 trainer rank (gloo); the lag
    bound holds, completions mixing policy versions appear, device-hours count both ranks. Then 3 ranks, 2 of them
-   FSDP2 trainers: the loop runs end to end and the checkpoint holds full (gathered) weights.
+   FSDP2 trainers: the loop runs end to end, each trainer rank writes its shard of the checkpoint, and one process
+   exports the model from the shards.
 4. Two `torchrun --nnodes=2` launches (c10d rendezvous on 127.0.0.1) train together; then the generator's process is
    killed and the trainer's launch ends within a bounded time with a message naming rank 1.
 5. A generator that hangs (SIGSTOP) makes trainer rank 0 exit after --dist_timeout with a message naming it.
@@ -88,7 +89,7 @@ def fsdp_worker(out):
     d = pipeline_rl.Dist(dist.get_rank(), 2, [0, 1], [], 60.0, {"trainer": dist.group.WORLD})
     cfg, groups = parity_setup()
     model = scalerl.build_model(cfg, VOCAB)
-    policy = trainer.shard(trainer.Policy(model, 1.0, torch.float32, torch.float32), model.model.layers, d)
+    policy = trainer.shard(trainer.Policy(model, 1.0, torch.float32), model.model.layers, d.groups["trainer"])
     r = parity_step(policy, cfg, groups, d.rank, 2)
     sums, maxes = trainer.reduce_metrics(d, dict(r["sums"], loss=r["loss"]), dict(ratio_max=r["ratio_max"]))
     grads = {n: g.full_tensor() for n, g in r["grads"].items()}
@@ -115,7 +116,7 @@ def test_fsdp2_two_trainer_ranks_match_one_process(tmp_path):
     assert two["sharded"] == "DTensor"
 
     model = scalerl.build_model(cfg, VOCAB)
-    one = parity_step(trainer.Policy(model, 1.0, torch.float32, torch.float32), cfg, groups)
+    one = parity_step(trainer.Policy(model, 1.0, torch.float32), cfg, groups)
     assert two["sums"]["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
     assert two["sums"]["n_tokens"] == one["sums"]["n_tokens"] > 0
     for k in ("clip_frac", "ratio_mean", "mismatch_kl"):
@@ -130,6 +131,20 @@ def test_fsdp2_two_trainer_ranks_match_one_process(tmp_path):
     assert float(one["gnorm"]) > cfg.grad_clip  # clipping was active: the sharded norm mattered
     for n, v in model.state_dict().items():  # after clip + AdamW step
         torch.testing.assert_close(two["params"][n], v, rtol=1e-4, atol=1e-5, msg=n)
+
+def test_a_batch_without_signal_makes_no_update():
+    """With the zero-variance filter off, a batch whose every group has equal rewards reaches the trainer: no AdamW
+    step (weight decay alone would move the weights), no optimizer state."""
+    cfg, groups = parity_setup()
+    for g in groups:
+        for s in g:
+            s.reward = g[0].reward
+    model = scalerl.build_model(cfg, VOCAB)
+    policy, before = trainer.Policy(model, 1.0, torch.float32), {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-2, weight_decay=0.1)
+    stats = trainer.train_step(policy, opt, groups, scalerl.Config(zero_var_filter=False, warmup_steps=0), 5)
+    assert stats["n_tokens"] == 0 and not opt.state
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 # ---------------------------------------------------------------------------------------------------------------------
 # 3. One generator rank, one trainer rank
@@ -164,8 +179,10 @@ def test_two_ranks_smoke(runs):
     for r in train:  # device-hours: wall time x 2 ranks
         total += r["dt"] * 2 / 3600
         assert r["device_hours"] == pytest.approx(total, rel=1e-9)
-    ck = torch.load(out / "ckpt.pt", weights_only=True)
-    assert ck["step"] == 6 and ck["version"] == 6 and "model.embed_tokens.weight" in ck["model"]
+    ck = torch.load(out / "ckpt.pt", weights_only=True)  # the marker naming the trainer's shards
+    assert ck["step"] == 6 and ck["version"] == 6 and "model" not in ck and ck["shards"] == "shards-000006"
+    assert sorted(os.listdir(out / "shards-000006")) == [".metadata", "__0_0.distcp"]  # one trainer rank
+    assert not [d for d in os.listdir(out) if d.startswith("shards-") and d != "shards-000006"]  # older ones gone
 
 
 @pytest.mark.slow
@@ -177,12 +194,18 @@ def test_three_ranks_two_fsdp_trainers(runs):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "trainer ranks [0, 1] (FSDP2) | generator ranks [2]" in p.stdout
     train = [r for r in read_jsonl(out / "metrics.jsonl") if "pass_rate" not in r]
-    assert [r["step"] for r in train] == [1, 2, 3] and all(r["train_tokens"] > 0 for r in train)
+    assert [r["step"] for r in train] == [1, 2, 3] and all(r["skipped_nonfinite"] == 0 for r in train)
     assert train[-1]["device_hours"] == pytest.approx(sum(r["dt"] for r in train) * 3 / 3600, rel=1e-9)
-    ck = torch.load(out / "ckpt.pt", weights_only=True)  # gathered from the shards: full tensors
+    ck = torch.load(out / "ckpt.pt", weights_only=True)  # each trainer rank wrote its shard, nothing gathered
+    assert sorted(os.listdir(out / ck["shards"])) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    p = subprocess.run([sys.executable, "scalerl.py", f"--out_dir={out}", "--export"], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=300)  # one process reads the shards in full
+    assert p.returncode == 0, p.stderr[-3000:]
+    from safetensors.torch import load_file
+    hf = load_file(out / "hf" / "model.safetensors")
     cfg = scalerl.Config(**json.load(open(out / "config.json"))["config"])
-    full = scalerl.build_model(cfg, ck["model"]["model.embed_tokens.weight"].shape[0]).state_dict()
-    assert {k: v.shape for k, v in ck["model"].items()} == {k: v.shape for k, v in full.items()}
+    full = scalerl.build_model(cfg, hf["model.embed_tokens.weight"].shape[0]).state_dict()
+    assert {k: v.shape for k, v in hf.items()} == {k: v.shape for k, v in full.items()}
 
 # ---------------------------------------------------------------------------------------------------------------------
 # 4 and 5. Two launches on one machine; a rank that dies or hangs ends the job with a message

@@ -33,8 +33,11 @@ def test_group_advantages_hand_computed():
     g = torch.tensor([5, 5, 5, 5, 9, 9, 2, 2])
     a = torch.tensor([0.5, -1.5, 0.5, 0.5, 0, 0, 0.5, -0.5], dtype=f64)  # group 9 has zero variance
     torch.testing.assert_close(group_advantages(r, g, "none"), a)
-    # live advantages: sum 0, sum of squares 3.5, unbiased variance 3.5 / 5
-    torch.testing.assert_close(group_advantages(r, g), a / math.sqrt(0.7))
+    # batch std over all 8 completions (zero-variance filter off: group 9's zeros count): sum of squares 3.5, / 7
+    torch.testing.assert_close(group_advantages(r, g), a / math.sqrt(0.5))
+    # the filter on passes only groups 5 and 2: unbiased variance 3.5 / 5
+    live = g != 9
+    torch.testing.assert_close(group_advantages(r[live], g[live]), a[live] / math.sqrt(0.7))
     # group 5: std 1 ; group 2: std sqrt(0.5)
     want = torch.tensor([0.5, -1.5, 0.5, 0.5, 0, 0, 0.5 / 0.5 ** 0.5, -0.5 / 0.5 ** 0.5], dtype=f64)
     torch.testing.assert_close(group_advantages(r, g, "prompt"), want, rtol=1e-5, atol=0)
@@ -52,10 +55,9 @@ def naive_advantages(r, g, norm, eps=1e-6):
         std_p.append(math.sqrt(sum((x - mean) ** 2 for x in rs) / max(len(rs) - 1, 1)))
     if norm == "prompt":
         adv = [a / (s + eps) for a, s in zip(adv, std_p)]
-    if norm == "batch":
-        live = [a for i, a in enumerate(adv) if len(set(r[j] for j in members[g[i]])) > 1]
-        m = sum(live) / len(live)
-        std = math.sqrt(sum((x - m) ** 2 for x in live) / (len(live) - 1))
+    if norm == "batch":  # one std over every completion given, flat groups' zeros included
+        m = sum(adv) / len(adv)
+        std = math.sqrt(sum((x - m) ** 2 for x in adv) / (len(adv) - 1))
         adv = [a / std for a in adv]
     return torch.tensor(adv, dtype=f64)
 

@@ -86,7 +86,7 @@ def test_own_model_and_data_train_and_export(run):
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     mine, _ = scalerl.load_model(scalerl.Config(**meta["config"]), ["math"])
     mine.load_state_dict(ckpt["model"])
-    want = trainer.Policy(mine, 1.0, torch.float32, torch.float32)(ids, torch.ones_like(ids))
+    want = trainer.Policy(mine, 1.0, torch.float32)(ids, torch.ones_like(ids))
     got = torch.log_softmax(model(ids).logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
     assert (got - want).abs().max() < 1e-5
 

@@ -229,8 +229,8 @@ def test_resume_continues_the_log(runs, smoke_run):
     assert hours == sorted(hours) and train[2]["device_hours"] > train[1]["device_hours"]
     cfg = scalerl.Config(**json.load(open(out / "config.json"))["config"])
     assert cfg.resume and cfg.max_steps == 4
-    for r in train:  # every step trained, with the warm-up schedule counted from the first step across the resume
-        assert r["zero_var_frac"] == 0 and r["train_tok_s"] > 0
+    for r in train:  # every group kept (a step whose groups all have equal rewards makes no update), with the
+        assert r["zero_var_frac"] == 0  # warm-up schedule counted from the first step across the resume
         assert r["lr"] == pytest.approx(cfg.lr * min(1.0, r["step"] / max(cfg.warmup_steps, 1)))
     ck = torch.load(out / "ckpt.pt", weights_only=True)
     assert ck["step"] == 4 and ck["version"] == 4
