@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 import contextlib
+import json
 import os
 import pickle
 import queue
@@ -66,6 +67,7 @@ class Engine:
         self.think_budget, self.answer_budget = think_budget, answer_budget  # (lo, hi) drawn per completion; int
         self.max_len = max_prompt + think_budget[1] + len(interrupt_ids or []) + answer_budget + 1
         self.groups, self.version = {}, 0       # group id -> (finished samples, group size); loaded policy version
+        self.aside = []                         # groups that finished during `generate` but are not its own
         self.budget_rng = random.Random(seed)   # thinking budgets
         self.stats = dict(decode_steps=0, busy_slot_steps=0, tokens=0, prefills=0)
 
@@ -78,13 +80,18 @@ class Engine:
 
     def generate(self, templates, n, progress=None):
         """Run n completions of each template to the end; the groups in template order. `progress(groups done)` is
-        called after every step that finishes some."""
+        called after every step that finishes some. Completions already running (a generator rank's training groups,
+        during an evaluation) run along; those that finish meanwhile wait in `aside`."""
         for t in templates:
             self.add(t, n)
-        out = {}
-        while self.busy:
+        mine, out = {t.group for t in templates}, {}
+        while len(out) < len(mine):
             finished = self.step()
-            out.update((g[0].group, g) for g in finished)
+            for g in finished:
+                if g[0].group in mine:
+                    out[g[0].group] = g
+                else:
+                    self.aside.append(g)
             if progress and finished:
                 progress(len(out))
         return [out[t.group] for t in templates]
@@ -586,6 +593,14 @@ def recv_groups(job, src):
     return pickle.loads(payload.numpy().tobytes())
 
 
+def by_dtype(dtypes):
+    """{dtype: sorted names} from {name: dtype}: the weight broadcast's buffers (the body dtype, an FP32 head)."""
+    out = {}
+    for n in sorted(dtypes):
+        out.setdefault(dtypes[n], []).append(n)
+    return dict(sorted(out.items(), key=lambda kv: str(kv[0])))
+
+
 class TrainerLink(BatchSource):
     """The batch source of trainer ranks under torchrun. Trainer rank 0 receives scored groups on a thread per
     generator (which never waits for a train step), hands the kept ones to every trainer rank, publishes weights."""
@@ -593,6 +608,7 @@ class TrainerLink(BatchSource):
         super().__init__(k, batch_prompts)
         self.job, self.inbox, self.pending = job, queue.Queue(), None
         self.kept, self.info = {}, {}  # group id -> kept by the zero-variance filter; generator rank -> its info()
+        self.asked = {}  # policy version -> what to log with its held-out pass rate, once the generators send it
         self.threads = [threading.Thread(target=self._receive, args=(rank,), daemon=True)
                         for rank in (job.generators if job.rank == 0 else [])]
         for t in self.threads:
@@ -631,14 +647,42 @@ class TrainerLink(BatchSource):
         self.version += 1
         if self.job.rank == 0:
             self._land()
-            self.flat = torch.cat([weights[n].detach().reshape(-1).float() for n in sorted(weights)])
-            self.pending = dist.broadcast(self.flat, src=0, group=self.job.groups["weights"], async_op=True)
+            self.flats = [torch.cat([weights[n].detach().reshape(-1) for n in names])  # kept until the broadcast lands
+                          for names in by_dtype({n: t.dtype for n, t in weights.items()}).values()]
+            self.pending = [dist.broadcast(f, src=0, group=self.job.groups["weights"], async_op=True)
+                            for f in self.flats]
             counter(self.job, "version", 1)
+
+    def ask_eval(self, version, seed, row):
+        """Trainer rank 0: ask the generator ranks for `version`'s held-out pass rate, before it is published (or, for
+        the start's version, at once); each evaluates its share when it has the version, between engine steps."""
+        self.asked[version] = row
+        with waiting_for(self.job, "the job's TCPStore (held-out request)"):
+            self.job.store.set(f"eval/{version}", str(seed))
+
+    def evals(self, wait=False):
+        """Trainer rank 0: [(version, row, results of every generator rank)] of the evaluations that are complete;
+        `wait`: all of them, within the time-out (a checkpoint or the end must not lose one)."""
+        out, t = [], time.time()
+        for v in sorted(self.asked):
+            keys = [f"eval/{v}/{rank}" for rank in self.job.generators]
+            while not self.job.store.check(keys):
+                if not wait:
+                    return out
+                if time.time() - t > self.job.timeout:
+                    die(f"{self.job.name} gave up waiting for the held-out pass rate of policy version {v} from "
+                        f"generator ranks {self.job.generators} after {self.job.timeout:.0f} s")
+                time.sleep(0.01)
+            out.append((v, self.asked.pop(v), [r for key in keys for r in json.loads(self.job.store.get(key))]))
+            for key in keys + [f"eval/{v}"]:
+                self.job.store.delete_key(key)
+        return out
 
     def _land(self):
         if self.pending is not None:
             with waiting_for(self.job, f"generator ranks {self.job.generators} to take the last weight broadcast"):
-                self.pending.wait()
+                for work in self.pending:
+                    work.wait()
             self.pending = None
 
     def totals(self):
@@ -660,14 +704,31 @@ class TrainerLink(BatchSource):
                         f"{self.job.timeout:.0f} s")
 
 
-def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_path, save_every):
+def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_path, save_every, evaluate=None):
     """A generator rank's job until trainer rank 0 says stop. Each turn: receive the weight versions published since
-    the last (loaded in flight, Sec. 3.1; PPO-off-policy loads every k-th), send the groups scored so far (on a thread)
-    in finishing order, admit groups under the job's lag bound, one engine step; --resume state every `save_every`."""
+    the last (loaded in flight, Sec. 3.1; PPO-off-policy loads every k-th), evaluate a version the trainer asked for
+    (`evaluate(seed)` -> results, on this rank's share of the held-out prompts), send the groups scored so far (on a
+    thread) in finishing order, admit groups under the job's lag bound, one engine step; --resume state every
+    `save_every`."""
     engine = rollouts.engine
-    shapes = {n: t.shape for n, t in sorted(engine.model.state_dict().items())}
-    flat = torch.empty(sum(s.numel() for s in shapes.values()), device=engine.device)  # NCCL needs it on the GPU
-    weights = {n: t.view(shapes[n]) for n, t in zip(shapes, flat.split([s.numel() for s in shapes.values()]))}
+
+    def held_out(v):  # trainer rank 0 asked for version v's pass rate: with v's weights, between engine steps
+        if evaluate and v not in evaluated and job.store.check([f"eval/{v}"]):
+            evaluated.add(v)
+            if engine.version != v:  # (PPO-off-policy: v is one it loads anyway, see scalerl.validate)
+                engine.load_weights(weights, v)
+            with waiting_for(job, "the job's TCPStore (held-out results)"):
+                job.store.set(f"eval/{v}/{job.rank}", json.dumps(evaluate(int(job.store.get(f"eval/{v}")))))
+            if engine.aside:  # training groups that finished during the evaluation
+                scoring.append((scorer.submit(rollouts.score, engine.aside), engine.aside))
+                engine.aside = []
+    evaluated = set()
+    state, flats, weights = engine.model.state_dict(), [], {}  # receive buffers, one per dtype; NCCL needs them on the GPU
+    for names in by_dtype({n: t.dtype for n, t in state.items()}).values():
+        flats.append(torch.empty(sum(state[n].numel() for n in names), dtype=state[names[0]].dtype,
+                                 device=engine.device))
+        weights.update((n, t.view(state[n].shape)) for n, t in zip(names, flats[-1].split(
+            [state[n].numel() for n in names])))
     received, saved = engine.version, None  # a resumed run starts at the checkpoint's version
     next_group, idle_since = None, None     # the group id taken from the counter but not started yet
     scorer, scoring = ThreadPoolExecutor(1, thread_name_prefix="score"), []  # [(future, groups)] in finishing order
@@ -675,8 +736,11 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
         stop = counter(job, "stop")  # read before the version: every broadcast published before the stop is received
         for v in range(received + 1, counter(job, "version") + 1):
             with waiting_for(job, f"policy version {v} from trainer rank 0"):
-                dist.broadcast(flat, src=0, group=job.groups["weights"])  # in place: `weights` are views of it
+                for flat in flats:  # in place: `weights` are views of them
+                    dist.broadcast(flat, src=0, group=job.groups["weights"])
             received = v
+            held_out(v)
+        held_out(received)  # trainer rank 0 asks after it published the version (and the start's, after the start)
         if engine.version < received and (mode == "pipeline" or received % k == 0):
             engine.load_weights(weights, received)
         if received != saved and received % save_every == 0:
@@ -774,7 +838,9 @@ class VLLMEngine(Engine):
         torch.set_num_threads = set_threads
         torch.set_num_threads(saved[3])
         with torch.device("meta"):
-            self.model = type(model)(model.config)  # names and shapes for load_weights and run_generator
+            self.model = type(model)(model.config)  # names, shapes, dtypes for load_weights and run_generator
+        for p, q in zip(self.model.parameters(), model.parameters()):
+            p.data = p.data.to(q.dtype)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")  # where weight broadcasts land before they go to vLLM
         self.live = {}          # vLLM request id -> its Running completion
@@ -792,8 +858,7 @@ class VLLMEngine(Engine):
     def load_weights(self, source, version):
         """In-flight update: `source`'s parameters (a module or state dict, `transformers` names) into vLLM's model."""
         state = source.state_dict() if hasattr(source, "state_dict") else source
-        dtype = next(self.model.parameters()).dtype
-        weights = {name: state[name].detach().to(dtype) for name in self.model.state_dict()}
+        weights = {name: state[name].detach().to(p.dtype) for name, p in self.model.state_dict().items()}
         if self.child:  # the engine's process reads them from disk (its RPC does not carry tensors)
             save_file({k: v.cpu().contiguous() for k, v in weights.items()}, self.weights_file)
             self.llm.collective_rpc("reload_weights", kwargs=dict(weights_path=self.dir))

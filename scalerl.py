@@ -273,6 +273,10 @@ def validate(cfg):
     if cfg.max_lag < (1 if cfg.off_policy == "ppo" else 0):
         fail(f"--max_lag={cfg.max_lag} is invalid for --off_policy={cfg.off_policy}: need k >= "
              f"{1 if cfg.off_policy == 'ppo' else 0} (PPO-off-policy-1 is the synchronous case)")
+    if cfg.off_policy == "ppo" and int(os.environ.get("WORLD_SIZE", 1)) > 1 and (cfg.eval_every % cfg.max_lag or
+                                                                             cfg.max_steps % cfg.max_lag):
+        fail(f"--off_policy=ppo under torchrun: --eval_every={cfg.eval_every} and --max_steps={cfg.max_steps} must be "
+             f"multiples of --max_lag={cfg.max_lag} (the generator ranks evaluate, and hold every k-th version only)")
     if cfg.think_max < cfg.think_min:
         fail(f"--think_max={cfg.think_max} is below --think_min={cfg.think_min}")
     if cfg.n_embd % cfg.n_head:
@@ -330,15 +334,17 @@ def main(cfg):
         state_path = os.path.join(cfg.out_dir, f"generator{job.rank}.pt")  # its part of the checkpoint
         if resume_point:
             restore_generator(rollouts, state_path, resume_point["version"])
+        mine = held_out_templates(rollouts, val)[job.generators.index(job.rank)::len(job.generators)]  # its share
         pipeline_rl.run_generator(job, rollouts, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
-                                  group_size=cfg.group_size, save_every=cfg.ckpt_every, state_path=state_path)
+                                  group_size=cfg.group_size, save_every=cfg.ckpt_every, state_path=state_path,
+                                  evaluate=lambda seed: eval_samples(rollouts.engine, rollouts, mine, cfg.eval_samples,
+                                                                     seed))
         return pipeline_rl.dist_cleanup(job)
 
     # -- the trainer: policy (FSDP2 over several trainer ranks), optimizer, batch source, held-out evaluation ---------
-    if job.rank == 0:  # held-out prompts, built once through the same guard as training prompts (before sharding)
-        eval_engine = make_engine(cfg, model, tok, cfg.seed + 1)
-        scorer = rollouts if job.world == 1 else pipeline_rl.Rollouts(eval_engine, None, tok, cfg.max_prompt)
-        held_out = held_out_templates(scorer, val)
+    if job.world == 1:  # held-out prompts through the same guard as training prompts; under torchrun the generators
+        eval_engine = make_engine(cfg, model, tok, cfg.seed + 1)  # evaluate, each its share
+        held_out = held_out_templates(rollouts, val)
     body_dtype = getattr(torch, cfg.dtype)  # fp32 master weights; the body computes in the body dtype
     head_dtype = torch.float32 if cfg.fp32_head else body_dtype  # the FP32 head (Sec. 3.2)
     if cfg.act_ckpt:  # each decoder layer's activations recomputed in the backward pass
@@ -358,12 +364,21 @@ def main(cfg):
     task_of = {p.id: p.task for p in train} if len(tasks) > 1 else {}
 
     def evaluate_now(weights):  # held-out pass rate, logged (rank 0), not on the compute axis
+        if job.world > 1:  # the generator ranks evaluate this version when they have it, the trainer goes on
+            source.ask_eval(source.version, cfg.seed + 7919 * step, dict(step=step, **clock))
+            return "held-out evaluation asked of the generator ranks"
         te = time.time()
         eval_engine.load_weights(weights, source.version)
-        pr = evaluate(eval_engine, scorer, held_out, cfg.eval_samples, cfg.seed + 7919 * step, tasks, step == 0)
+        pr = evaluate(eval_engine, rollouts, held_out, cfg.eval_samples, cfg.seed + 7919 * step, tasks, step == 0)
         log(dict(step=step, **clock, **pr, eval=True))
         took["evaluation"] += time.time() - te
-        return f"held-out pass rate {pr['pass_rate']:.3f}{trainer.per_task(pr, 'pass_rate', tasks)}"
+        return held_out_line(pr, tasks)
+
+    def log_evals(wait=False):  # torchrun: the held-out results the generator ranks sent, logged under their step
+        for _, row, results in source.evals(wait) if job.world > 1 and job.rank == 0 else []:
+            pr = eval_summary(results, tasks)
+            log(dict(row, **pr, eval=True))
+            print(f"step {row['step']:4d} | {held_out_line(pr, tasks)} (generator ranks)", flush=True)
 
     # -- the loop: the same for one process and for every trainer rank under torchrun ----------------------------
     weights = trainer.policy_weights(policy, body_dtype, keep=job.rank == 0)  # body dtype, on trainer rank 0
@@ -402,10 +417,13 @@ def main(cfg):
             if step % cfg.eval_every == 0 or step == cfg.max_steps:
                 line += " | " + evaluate_now(weights)
             print(line, flush=True)
+            log_evals(wait=bool(save))  # a checkpoint keeps the rows of every evaluation up to its step
         if save:  # every trainer rank; after skipped steps the weights are still the last good ones
             trainer.save_checkpoint(cfg, step, clock, source, job, policy, opt, rollouts)
         if bad_run >= cfg.max_nonfinite or stop:
             break
+    if job.rank == 0:
+        log_evals(wait=not stop)  # preempted: no time to wait
     source.close()
     took["generation"] = source.totals()["gen_s"]  # under torchrun: summed over the generator ranks
     if job.rank == 0 and not stop:  # preempted: no export (schedulers give seconds)
@@ -513,8 +531,31 @@ def make_engine(cfg, model, tok, seed, device=None):
 
 def evaluate(engine, scorer, templates, n, seed, tasks=(), progress=False):
     """mean@n pass rate on the held-out `templates` with the engine's current weights (not on the compute axis,
-    Sec. 2.1); with several tasks also pass_rate_<task>, one curve each (Sec. 7). `scorer` is a Rollouts. The result
-    depends on the weights and `seed` only (sampling and thinking budgets are re-seeded)."""
+    Sec. 2.1); with several tasks also pass_rate_<task>, one curve each (Sec. 7). `scorer` is a Rollouts."""
+    return eval_summary(eval_samples(engine, scorer, templates, n, seed, progress), tasks)
+
+
+def held_out_line(pr, tasks):
+    return f"held-out pass rate {pr['pass_rate']:.3f}{trainer.per_task(pr, 'pass_rate', tasks)}"
+
+
+def eval_summary(results, tasks=()):
+    """The held-out row from (task, passed, length) per completion: pass_rate, eval_len, pass_rate_<task>."""
+    passed = np.array([r[1] for r in results], dtype=bool)
+    out = dict(pass_rate=float(passed.mean()), eval_len=float(np.mean([r[2] for r in results])))
+    for t in tasks if len(tasks) > 1 else []:
+        mine = passed[[r[0] == t for r in results]]
+        if mine.size:
+            out[f"pass_rate_{t}"] = float(mine.mean())
+    return out
+
+
+def eval_samples(engine, scorer, templates, n, seed, progress=False):
+    """(task, passed, length) of n completions of each held-out template with the engine's current weights. Sampling
+    and thinking budgets are re-seeded from `seed` and put back after: on an engine of its own (one process) the result
+    depends on the weights and `seed` only; on a generator rank the training completions running along share the
+    sampler."""
+    saved = engine.rng.get_state(), engine.budget_rng.getstate()
     engine.rng.manual_seed(seed)
     engine.budget_rng.seed(seed)
     t0, shown = time.time(), [time.time()]
@@ -526,14 +567,9 @@ def evaluate(engine, scorer, templates, n, seed, tasks=(), progress=False):
                    f"{(shown[0] - t0) / done * (len(templates) - done) / 60:.1f}m", flush=True)
     groups = engine.generate(templates, n, show if progress else None)
     scorer.score(groups)
-    samples = [s for g in groups for s in g]
-    passed = np.array([s.reward for s in samples]) > 0
-    out = dict(pass_rate=float(passed.mean()), eval_len=float(np.mean([len(s.tokens) for s in samples])))
-    for t in tasks if len(tasks) > 1 else []:
-        mine = passed[[s.meta.task == t for s in samples]]
-        if mine.size:
-            out[f"pass_rate_{t}"] = float(mine.mean())
-    return out
+    engine.rng.set_state(saved[0])
+    engine.budget_rng.setstate(saved[1])
+    return [(s.meta.task, s.reward > 0, len(s.tokens)) for g in groups for s in g]
 
 
 def held_out_templates(scorer, val):
@@ -577,7 +613,7 @@ def evaluate_or_export(cfg):
     except OSError as e:  # a full disk or a read-only folder: one line, as for every write of a run
         trainer.write_failed(path, e)
     where = f"mean@{cfg.eval_samples}, {len(val)} prompts, step {step}"
-    print(f"held-out pass rate {pr['pass_rate']:.3f}{trainer.per_task(pr, 'pass_rate', tasks)} ({where}) in "
+    print(f"{held_out_line(pr, tasks)} ({where}) in "
           f"{time.time() - t0:.0f}s; appended to {cfg.out_dir}/evals.jsonl")
 
 
