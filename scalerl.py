@@ -643,7 +643,7 @@ def start(cfg):
         admitted = ckpt["version"] * cfg.batch_prompts + ckpt["stale"]
         for key, n in (("version", ckpt["version"]), ("admitted", admitted), ("dropped", ckpt["stale"])):
             pipeline_rl.counter(job, key, n)
-    resume_point = {k: ckpt.get(k) for k in ("step", "version", "stale", "shards")} if ckpt else None
+    resume_point = {k: ckpt.get(k) for k in ("step", "version", "stale", "shards", "shards_opt")} if ckpt else None
     return job, ckpt, pipeline_rl.share(job, resume_point, everyone=True)
 
 

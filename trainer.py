@@ -282,27 +282,38 @@ def sharded(policy):
     return isinstance(policy, FSDPModule)
 
 
+def sharded_state(policy, opt):
+    """{"model": ..., "opt": ...} of DTensor shards for torch.distributed.checkpoint; "opt" only once AdamW has state
+    (reading the state of a fresh optimizer would initialise it with a step of zero gradients, counted by Adam)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+    if not opt.state:
+        return dict(model=get_model_state_dict(policy.lm))
+    return dict(zip(("model", "opt"), get_state_dict(policy.lm, opt)))
+
+
 def save_shards(job, policy, opt, where):
     """Under torchrun, every trainer rank: its shard of the fp32 weights and the optimizer state, written with
     torch.distributed.checkpoint into the directory `where` (nothing is gathered)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    model_sd, opt_sd = get_state_dict(policy.lm, opt)
     try:
         with pipeline_rl.waiting_for(job, f"checkpoint shards of trainer ranks {job.trainers}"):
-            dcp.save(dict(model=model_sd, opt=opt_sd), checkpoint_id=where, process_group=job.groups["trainer"])
+            dcp.save(sharded_state(policy, opt), checkpoint_id=where, process_group=job.groups["trainer"])
     except (OSError, dcp.api.CheckpointException) as e:  # a full disk on any rank fails the save on every rank
         write_failed(where, e if isinstance(e, OSError) else OSError(errno.EIO, pipeline_rl.first_line(e)))
 
 
-def load_shards(job, policy, opt, where):
-    """The inverse, on every trainer rank: each reads its own shard (the same number of trainer ranks)."""
+def load_shards(job, policy, opt, where, with_opt):
+    """The inverse, on every trainer rank: each reads its own shard (the same number of trainer ranks); the optimizer
+    state if the checkpoint has one (the step-0 checkpoint has none)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    model_sd, opt_sd = get_state_dict(policy.lm, opt)
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+    state = dict(zip(("model", "opt"), get_state_dict(policy.lm, opt))) if with_opt else sharded_state(policy, opt)
     with pipeline_rl.waiting_for(job, f"checkpoint shards of trainer ranks {job.trainers}"):
-        dcp.load(dict(model=model_sd, opt=opt_sd), checkpoint_id=where, process_group=job.groups["trainer"])
-    set_state_dict(policy.lm, opt, model_state_dict=model_sd, optim_state_dict=opt_sd)
+        dcp.load(state, checkpoint_id=where, process_group=job.groups["trainer"])
+    if with_opt:
+        set_state_dict(policy.lm, opt, model_state_dict=state["model"], optim_state_dict=state["opt"])
+    else:
+        set_model_state_dict(policy.lm, state["model"])
 
 
 def load_weights(model, ckpt, out_dir):
@@ -484,12 +495,12 @@ def save_checkpoint(cfg, step, clock, source, job, policy, opt, rollouts=None):
                 world=job.world, generators=job.generators, **clock)
     if job.world == 1:
         opt_state = opt.state_dict()
-        if sharded(policy):  # FSDP2 over one process: plain tensors, for a file any run can read
+        if sharded(policy) and opt.state:  # FSDP2 over one process: plain tensors, for a file any run can read
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
             opt_state = get_optimizer_state_dict(policy, opt, options=StateDictOptions(full_state_dict=True))
         ckpt.update(model=full_state_dict(policy.lm), opt=opt_state, generating=rollouts.state_dict())
     else:
-        ckpt["shards"] = f"shards-{step:06d}"
+        ckpt["shards"], ckpt["shards_opt"] = f"shards-{step:06d}", bool(opt.state)
         save_shards(job, policy, opt, os.path.join(cfg.out_dir, ckpt["shards"]))
         if job.rank != 0:
             return
@@ -654,8 +665,9 @@ def restore_trainer(cfg, ckpt, resume_point, job, policy, opt, source, rollouts)
         return 0, dict(device_hours=0.0, cpu_hours=0.0)
     with fits(os.path.join(cfg.out_dir, "ckpt.pt")):
         if job.world > 1:
-            load_shards(job, policy, opt, os.path.join(cfg.out_dir, resume_point["shards"]))
-        elif sharded(policy):
+            load_shards(job, policy, opt, os.path.join(cfg.out_dir, resume_point["shards"]),
+                        resume_point["shards_opt"])
+        elif sharded(policy) and ckpt["opt"]["state"]:  # (an empty state would be initialised with a zero step)
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
             set_optimizer_state_dict(policy, opt, ckpt["opt"], options=StateDictOptions(full_state_dict=True))
         else:

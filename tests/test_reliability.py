@@ -50,17 +50,21 @@ def main_smoke(out, *args):
 # 1. Non-finite loss or gradients
 
 
-def poison(monkeypatch, steps, what):
-    """Wrap policy_gradient so that the call for each optimizer step in `steps` returns a NaN loss ("loss") or leaves
-    an inf in one gradient ("grad"). Returns the list of model weights seen at the start of each call. Every group's
-    rewards alternate +1/-1 (the smoke model rarely passes), so every step has a signal and calls it."""
-    real, seen = trainer.policy_gradient, []
-
+def alternate_rewards(monkeypatch):
+    """Every group's rewards alternate +1/-1 (the smoke model rarely passes): every step has a learning signal."""
     def alternate(self, groups):
         for g in groups:
             for i, s in enumerate(g):
                 s.reward = 1.0 if i % 2 else -1.0
     monkeypatch.setattr(pipeline_rl.Rollouts, "score", alternate)
+
+
+def poison(monkeypatch, steps, what):
+    """Wrap policy_gradient so that the call for each optimizer step in `steps` returns a NaN loss ("loss") or leaves
+    an inf in one gradient ("grad"). Returns the list of model weights seen at the start of each call. With
+    alternating rewards every step calls it."""
+    real, seen = trainer.policy_gradient, []
+    alternate_rewards(monkeypatch)
 
     def wrapped(policy, groups, *a, **kw):
         seen.append({k: v.detach().clone() for k, v in policy.lm.state_dict().items()})
@@ -110,6 +114,19 @@ def test_nonfinite_in_a_row_stops_with_last_good_checkpoint(base, monkeypatch, c
     main_smoke(out, "--zero_var_filter=false", "--max_steps=4", "--resume")
     train = [r for r in read_jsonl(out / "metrics.jsonl") if "pass_rate" not in r]
     assert [(r["step"], r["skipped_nonfinite"]) for r in train] == [(1, 0), (2, 1), (3, 1), (4, 0)]
+
+def test_bf16_mixed_precision_run_resumes_its_fp32_masters_and_adam(base, monkeypatch):
+    """--dtype=bfloat16 in one process: FSDP2 mixed precision over a group of one; ckpt.pt holds fp32 masters and the
+    full AdamW state, and a resumed run continues Adam's step count."""
+    out = base / "bf16"
+    alternate_rewards(monkeypatch)
+    main_smoke(out, "--dtype=bfloat16", "--max_steps=2")
+    main_smoke(out, "--resume", "--max_steps=4")
+    ck = torch.load(out / "ckpt.pt", weights_only=True)
+    assert {v.dtype for v in ck["model"].values()} == {torch.float32}
+    assert {float(s["step"]) for s in ck["opt"]["state"].values()} == {4.0}  # 2 steps, then 2 more after the resume
+    train = [r for r in read_jsonl(out / "metrics.jsonl") if "pass_rate" not in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4] and all(r["train_tokens"] > 0 for r in train)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # 2. A failing reward
