@@ -197,12 +197,15 @@ class TorchEngine(Engine):
     def _queue(self, template, n):
         self.waiting.append([template, n, None])
 
+    loads_in_parts = True  # run_generator may hand it one bucket of a version at a time
+
     @torch.no_grad()
     def load_weights(self, source, version):
-        """In-flight update from `source`, a module or a state dict."""
-        weights = source.state_dict() if hasattr(source, "state_dict") else source
-        for name, p in self.model.state_dict().items():
-            p.copy_(weights[name])
+        """In-flight update from `source`: a module, or {name: tensor} of some or all of the parameters."""
+        weights = dict(source.named_parameters()) if hasattr(source, "named_parameters") else source
+        params = dict(self.model.named_parameters())
+        for name, t in weights.items():
+            params[name].copy_(t)
         self.version = version
 
     @torch.no_grad()
@@ -593,20 +596,27 @@ def recv_groups(job, src):
     return pickle.loads(payload.numpy().tobytes())
 
 
-def by_dtype(dtypes):
-    """{dtype: sorted names} from {name: dtype}: the weight broadcast's buffers (the body dtype, an FP32 head)."""
-    out = {}
-    for n in sorted(dtypes):
-        out.setdefault(dtypes[n], []).append(n)
-    return dict(sorted(out.items(), key=lambda kv: str(kv[0])))
+def buckets(named, limit):
+    """Runs of consecutive (name, tensor) pairs of one dtype, at most `limit` bytes each (a larger tensor alone): the
+    weight broadcast's buckets, formed alike by trainer rank 0 (from the gathered weights) and by every generator rank
+    (from its engine's parameters, the same names, shapes and dtypes)."""
+    run, size = [], 0
+    for name, t in named:
+        if run and (t.dtype != run[0][1].dtype or size + t.nbytes > limit):
+            yield run
+            run, size = [], 0
+        run.append((name, t))
+        size += t.nbytes
+    if run:
+        yield run
 
 
 class TrainerLink(BatchSource):
     """The batch source of trainer ranks under torchrun. Trainer rank 0 receives scored groups on a thread per
     generator (which never waits for a train step), hands the kept ones to every trainer rank, publishes weights."""
-    def __init__(self, job, *, k, batch_prompts):
+    def __init__(self, job, *, k, batch_prompts, bucket_bytes):
         super().__init__(k, batch_prompts)
-        self.job, self.inbox, self.pending = job, queue.Queue(), None
+        self.job, self.inbox, self.pending, self.bucket_bytes = job, queue.Queue(), None, bucket_bytes
         self.kept, self.info = {}, {}  # group id -> kept by the zero-variance filter; generator rank -> its info()
         self.asked = {}  # policy version -> what to log with its held-out pass rate, once the generators send it
         self.threads = [threading.Thread(target=self._receive, args=(rank,), daemon=True)
@@ -643,15 +653,21 @@ class TrainerLink(BatchSource):
         counter(self.job, "dropped", 1)  # its place under the lag bound goes back to the generators
 
     def push_weights(self, weights):
-        """Trainer rank 0 starts broadcasting the new weights (once the last one landed) and publishes the version."""
+        """Every trainer rank: `weights` yields (name, tensor) in the body dtype (trainer.gathered: every trainer rank
+        takes part in each gather). Trainer rank 0 publishes the version, then broadcasts the tensors in buckets, one
+        in flight while the next is packed; the generators take them between their engine steps."""
         self.version += 1
-        if self.job.rank == 0:
+        if self.job.rank != 0:
+            for _ in weights:
+                pass
+            return
+        self._land()
+        counter(self.job, "version", 1)  # the generators join this version's broadcasts
+        for run in buckets(((n, t.detach()) for n, t in weights), self.bucket_bytes):
+            flat = torch.cat([t.reshape(-1) for _, t in run])
             self._land()
-            self.flats = [torch.cat([weights[n].detach().reshape(-1) for n in names])  # kept until the broadcast lands
-                          for names in by_dtype({n: t.dtype for n, t in weights.items()}).values()]
-            self.pending = [dist.broadcast(f, src=0, group=self.job.groups["weights"], async_op=True)
-                            for f in self.flats]
-            counter(self.job, "version", 1)
+            self.flat, self.pending = flat, dist.broadcast(flat, src=0, group=self.job.groups["weights"],
+                                                           async_op=True)  # (the tensor lives until it lands)
 
     def ask_eval(self, version, seed, row):
         """Trainer rank 0: ask the generator ranks for `version`'s held-out pass rate, before it is published (or, for
@@ -681,8 +697,7 @@ class TrainerLink(BatchSource):
     def _land(self):
         if self.pending is not None:
             with waiting_for(self.job, f"generator ranks {self.job.generators} to take the last weight broadcast"):
-                for work in self.pending:
-                    work.wait()
+                self.pending.wait()
             self.pending = None
 
     def totals(self):
@@ -704,9 +719,10 @@ class TrainerLink(BatchSource):
                         f"{self.job.timeout:.0f} s")
 
 
-def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_path, save_every, evaluate=None):
+def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_path, save_every, bucket_bytes,
+                  evaluate=None):
     """A generator rank's job until trainer rank 0 says stop. Each turn: receive the weight versions published since
-    the last (loaded in flight, Sec. 3.1; PPO-off-policy loads every k-th), evaluate a version the trainer asked for
+    the last, bucket by bucket (loaded in flight, Sec. 3.1; PPO-off-policy loads every k-th), evaluate a version the trainer asked for
     (`evaluate(seed)` -> results, on this rank's share of the held-out prompts), send the groups scored so far (on a
     thread) in finishing order, admit groups under the job's lag bound, one engine step; --resume state every
     `save_every`."""
@@ -715,34 +731,39 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
     def held_out(v):  # trainer rank 0 asked for version v's pass rate: with v's weights, between engine steps
         if evaluate and v not in evaluated and job.store.check([f"eval/{v}"]):
             evaluated.add(v)
-            if engine.version != v:  # (PPO-off-policy: v is one it loads anyway, see scalerl.validate)
-                engine.load_weights(weights, v)
+            if engine.version != v:  # PPO-off-policy loads every k-th version only (scalerl.validate)
+                die(f"{job.name} was asked to evaluate policy version {v}, which it does not load")
             with waiting_for(job, "the job's TCPStore (held-out results)"):
                 job.store.set(f"eval/{v}/{job.rank}", json.dumps(evaluate(int(job.store.get(f"eval/{v}")))))
             if engine.aside:  # training groups that finished during the evaluation
                 scoring.append((scorer.submit(rollouts.score, engine.aside), engine.aside))
                 engine.aside = []
+    def receive(v):  # version v's buckets, each loaded as it lands (an engine that cannot: all at once, at the end)
+        take, whole = mode == "pipeline" or v % k == 0, {}
+        for run in buckets(((n, torch.empty_like(p, device="meta")) for n, p in engine.model.named_parameters()),
+                           bucket_bytes):
+            flat = torch.empty(sum(t.numel() for _, t in run), dtype=run[0][1].dtype, device=engine.device)  # NCCL
+            with waiting_for(job, f"policy version {v} from trainer rank 0"):  # needs it on the GPU
+                dist.broadcast(flat, src=0, group=job.groups["weights"])
+            part = dict(zip((n for n, _ in run), (x.view(t.shape) for x, (_, t) in zip(
+                flat.split([t.numel() for _, t in run]), run))))
+            if take and engine.loads_in_parts:
+                engine.load_weights(part, v)
+            elif take:
+                whole.update(part)
+        if whole:
+            engine.load_weights(whole, v)
     evaluated = set()
-    state, flats, weights = engine.model.state_dict(), [], {}  # receive buffers, one per dtype; NCCL needs them on the GPU
-    for names in by_dtype({n: t.dtype for n, t in state.items()}).values():
-        flats.append(torch.empty(sum(state[n].numel() for n in names), dtype=state[names[0]].dtype,
-                                 device=engine.device))
-        weights.update((n, t.view(state[n].shape)) for n, t in zip(names, flats[-1].split(
-            [state[n].numel() for n in names])))
     received, saved = engine.version, None  # a resumed run starts at the checkpoint's version
     next_group, idle_since = None, None     # the group id taken from the counter but not started yet
     scorer, scoring = ThreadPoolExecutor(1, thread_name_prefix="score"), []  # [(future, groups)] in finishing order
     while True:
         stop = counter(job, "stop")  # read before the version: every broadcast published before the stop is received
         for v in range(received + 1, counter(job, "version") + 1):
-            with waiting_for(job, f"policy version {v} from trainer rank 0"):
-                for flat in flats:  # in place: `weights` are views of them
-                    dist.broadcast(flat, src=0, group=job.groups["weights"])
+            receive(v)
             received = v
             held_out(v)
         held_out(received)  # trainer rank 0 asks after it published the version (and the start's, after the start)
-        if engine.version < received and (mode == "pipeline" or received % k == 0):
-            engine.load_weights(weights, received)
         if received != saved and received % save_every == 0:
             try:  # a full disk or a read-only folder: one line, no temporary left, the last good file kept
                 os.makedirs(os.path.dirname(state_path) or ".", exist_ok=True)
@@ -846,6 +867,7 @@ class VLLMEngine(Engine):
         self.live = {}          # vLLM request id -> its Running completion
         self.rng = torch.Generator().manual_seed(seed)  # per-request sampling seeds
 
+    loads_in_parts = False  # a reload takes the whole model
     busy = property(lambda self: bool(self.live))
     room = property(lambda self: self.slots - len(self.live))  # vLLM queues what it cannot run at once
 
@@ -858,7 +880,7 @@ class VLLMEngine(Engine):
     def load_weights(self, source, version):
         """In-flight update: `source`'s parameters (a module or state dict, `transformers` names) into vLLM's model."""
         state = source.state_dict() if hasattr(source, "state_dict") else source
-        weights = {name: state[name].detach().to(p.dtype) for name, p in self.model.state_dict().items()}
+        weights = {name: state[name].detach().to(p.dtype) for name, p in self.model.named_parameters()}
         if self.child:  # the engine's process reads them from disk (its RPC does not carry tensors)
             save_file({k: v.cpu().contiguous() for k, v in weights.items()}, self.weights_file)
             self.llm.collective_rpc("reload_weights", kwargs=dict(weights_path=self.dir))

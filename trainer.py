@@ -263,18 +263,14 @@ def full_state_dict(module):
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
 
 
-def policy_weights(policy, body_dtype, keep=True):
-    """The weights the generator and the export take: the body in its dtype, an untied head in the head's (the FP32
-    head, Sec. 3.2), gathered one tensor at a time in that dtype, never a full fp32 copy. Under FSDP2 every trainer
-    rank must call it; only the rank with `keep` holds the result (the others get {})."""
+def gathered(policy, body_dtype):
+    """The weights the generators and the export take, as (name, tensor): the body in its dtype, an untied head in the
+    head's (the FP32 head, Sec. 3.2), gathered one parameter at a time in that dtype, never a full fp32 copy. Under
+    FSDP2 every trainer rank must consume it (an all-gather per parameter); the consumer keeps what it needs."""
     from torch.distributed.tensor import DTensor
-    out = {}
-    for name, v in policy.lm.state_dict().items():
-        v = v.detach().to(policy.head.dtype if name == "lm_head.weight" and not policy.tied else body_dtype)
-        v = v.full_tensor() if isinstance(v, DTensor) else v
-        if keep:
-            out[name] = v
-    return out
+    for name, p in policy.lm.named_parameters():
+        v = p.detach().to(policy.head.dtype if name == "lm_head.weight" else body_dtype)
+        yield name, v.full_tensor() if isinstance(v, DTensor) else v
 
 
 def sharded(policy):

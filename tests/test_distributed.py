@@ -157,7 +157,8 @@ SMOKE = ["scalerl.py", "--config", "smoke", "--threads=1"]
 def test_two_ranks_smoke(runs):
     out = runs / "two"
     p = subprocess.run(torchrun("--standalone", "--nproc_per_node=2", *SMOKE, f"--out_dir={out}", "--max_steps=6",
-                                "--eval_every=3"), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+                                "--eval_every=3", "--sync_bucket_mb=1"),  # weights in 4 buckets of 1 MB or less
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "generator ranks [1]" in p.stdout
     meta = json.load(open(out / "config.json"))

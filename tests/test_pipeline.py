@@ -5,6 +5,7 @@ side of one process (scalerl.make_engine, pipeline_rl.Rollouts on the built-in a
 Run: python -m pytest tests/test_pipeline.py
 """
 import copy
+import math
 
 import pytest
 import torch
@@ -288,3 +289,24 @@ def test_trainer_tensors_mask_forced_tokens_and_align_logprobs(never_stop):
         want = [0.0] * (P - 1) + [0.0 if f else 1.0 for f in s.forced] + [0.0] * (tmask.shape[1] - P + 1 - n)
         assert tmask[i].tolist() == want and sum(s.forced) == len(PHRASE)
         assert torch.equal(gen_logp[i, P - 1:P - 1 + n], torch.tensor(s.logprobs))
+
+
+@pytest.mark.parametrize("dtype, fp32_head", [("bfloat16", True), ("bfloat16", False), ("float32", True)])
+def test_weight_buckets_agree_between_trainer_and_generator(dtype, fp32_head):
+    """Under torchrun trainer rank 0 packs the gathered weights into buckets and every generator rank forms the same
+    buckets from its engine's parameters: the same names, shapes, dtypes and sizes, in the same order."""
+    cfg = scalerl.Config(dtype=dtype, fp32_head=fp32_head)
+    tok = data.char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=")
+    model = scalerl.build_model(cfg, len(tok))
+    engine = scalerl.make_engine(cfg, model, tok, 0)
+    policy = trainer.Policy(model, 1.0, torch.float32 if fp32_head else getattr(torch, dtype))
+    limit = 64 << 10  # 64 KB: many buckets for the 0.87M-parameter model
+
+    def layout(named):
+        return [[(n, tuple(t.shape), t.dtype) for n, t in run] for run in pipeline_rl.buckets(named, limit)]
+    sent = layout(trainer.gathered(policy, getattr(torch, dtype)))
+    spec = layout((n, torch.empty_like(p, device="meta")) for n, p in engine.model.named_parameters())
+    assert sent == spec and len(sent) > 10
+    assert {d for run in sent for *_, d in run} == ({torch.bfloat16, torch.float32} if dtype == "bfloat16" and fp32_head
+                                                    else {getattr(torch, dtype)})
+    assert all(sum(math.prod(s) * d.itemsize for _, s, d in run) <= limit or len(run) == 1 for run in sent)
