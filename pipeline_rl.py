@@ -722,10 +722,10 @@ class TrainerLink(BatchSource):
 def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_path, save_every, bucket_bytes,
                   evaluate=None):
     """A generator rank's job until trainer rank 0 says stop. Each turn: receive the weight versions published since
-    the last, bucket by bucket (loaded in flight, Sec. 3.1; PPO-off-policy loads every k-th), evaluate a version the trainer asked for
-    (`evaluate(seed)` -> results, on this rank's share of the held-out prompts), send the groups scored so far (on a
-    thread) in finishing order, admit groups under the job's lag bound, one engine step; --resume state every
-    `save_every`."""
+    the last, bucket by bucket (loaded in flight, Sec. 3.1; PPO-off-policy loads every k-th), evaluate a version the
+    trainer asked for (`evaluate(seed)` -> results, on this rank's share of the held-out prompts), send the groups
+    scored so far (on a thread) in finishing order, admit groups under the job's lag bound, one engine step; --resume
+    state every `save_every`."""
     engine = rollouts.engine
 
     def held_out(v):  # trainer rank 0 asked for version v's pass rate: with v's weights, between engine steps

@@ -317,51 +317,33 @@ def main(cfg):
     random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
     train, val, tasks = load_data(cfg)
     model, tok = load_model(cfg, tasks)
-    t_warm = time.time()
+    took, t_warm = dict(training=0.0, evaluation=0.0), time.time()  # seconds, for the end-of-run summary
     if job.rank == 0 and not resume_point and cfg.model == "tiny":
         trainer.warm_start(cfg, model, tok, os.path.dirname(os.path.normpath(cfg.out_dir)) or ".")
-    took = dict(warm_start=time.time() - t_warm, training=0.0, evaluation=0.0)  # seconds, for the end-of-run summary
+    took["warm_start"] = time.time() - t_warm
     if ckpt:  # resuming: the checkpoint's weights replace the warm start (or the hub's weights)
         trainer.load_weights(model, ckpt, cfg.out_dir)
     if resume_point or cfg.model == "tiny":
         pipeline_rl.broadcast_from_rank0(job, model)  # every rank starts from rank 0's weights
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
-    if job.rank not in job.generators:  # a GPU per rank; a generator rank's holds its engine's copy only
-        model.to(device)
+    model.to(device if job.rank not in job.generators else "cpu")  # a GPU per rank; a generator's: its engine only
     n_params = sum(p.numel() for p in model.parameters())
-    rollouts = None  # the generating side: in one process, and on generator ranks
-    if job.world == 1 or job.rank in job.generators:  # each generator rank draws from its own share of the prompts
+    rollouts = None  # the generating side, in one process and on generator ranks (each its share of the prompts)
+    if job.world == 1 or job.rank in job.generators:
         share = train if job.world == 1 else train[job.generators.index(job.rank)::len(job.generators)]
         pool = data.make_pool(share, tasks, cfg.code_frac, seed=cfg.seed, npr=cfg.npr,
                               npr_threshold=cfg.npr_threshold, zero_var=cfg.zero_var_filter)
         rollouts = pipeline_rl.Rollouts(make_engine(cfg, model, tok, cfg.seed + job.rank, device), pool, tok,
                                         cfg.max_prompt)
-    if job.rank in job.generators:  # a generator rank's whole job
-        del model  # its fp32 copy: the engine holds the body dtype
-        state_path = os.path.join(cfg.out_dir, f"generator{job.rank}.pt")  # its part of the checkpoint
-        if resume_point:
-            restore_generator(rollouts, state_path, resume_point["version"])
-        mine = held_out_templates(rollouts, val)[job.generators.index(job.rank)::len(job.generators)]  # its share
-        pipeline_rl.run_generator(job, rollouts, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
-                                  group_size=cfg.group_size, save_every=cfg.ckpt_every, state_path=state_path,
-                                  bucket_bytes=cfg.sync_bucket_mb << 20,
-                                  evaluate=lambda seed: eval_samples(rollouts.engine, rollouts, mine, cfg.eval_samples,
-                                                                     seed))
-        return pipeline_rl.dist_cleanup(job)
+    if job.rank in job.generators:  # a generator rank's whole job (its fp32 model goes: the engine has a copy)
+        del model
+        return generator_rank(cfg, job, rollouts, val, resume_point)
 
     # -- the trainer: policy (FSDP2 over several trainer ranks), optimizer, batch source, held-out evaluation ---------
     if job.world == 1:  # held-out prompts through the same guard as training prompts; under torchrun the generators
         eval_engine = make_engine(cfg, model, tok, cfg.seed + 1)  # evaluate, each its share
         held_out = held_out_templates(rollouts, val)
-    body_dtype = getattr(torch, cfg.dtype)  # fp32 master weights; the body computes in the body dtype
-    head_dtype = torch.float32 if cfg.fp32_head else body_dtype  # the FP32 head (Sec. 3.2)
-    if cfg.act_ckpt:  # each decoder layer's activations recomputed in the backward pass
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
-    policy = trainer.Policy(model, cfg.temperature, head_dtype, tok.pad_token_id)
-    if len(job.trainers) > 1 or body_dtype != torch.float32:  # FSDP2: shards, mixed precision, or both
-        trainer.shard(policy, model.model.layers, job.groups.get("trainer") or pipeline_rl.local_group(), body_dtype)
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
-                            weight_decay=cfg.weight_decay)
+    policy, opt, body_dtype = build_policy(cfg, job, model, tok)
     source = pipeline_rl.Scheduler(rollouts, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
                                    group_size=cfg.group_size, decode_per_step=cfg.decode_per_step) if job.world == 1 \
         else pipeline_rl.TrainerLink(job, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
@@ -382,12 +364,6 @@ def main(cfg):
         log(dict(step=step, **clock, **pr, eval=True))
         took["evaluation"] += time.time() - te
         return held_out_line(pr, tasks)
-
-    def log_evals(wait=False):  # torchrun: the held-out results the generator ranks sent, logged under their step
-        for _, row, results in source.evals(wait) if job.world > 1 and job.rank == 0 else []:
-            pr = eval_summary(results, tasks)
-            log(dict(row, **pr, eval=True))
-            print(f"step {row['step']:4d} | {held_out_line(pr, tasks)} (generator ranks)", flush=True)
 
     # -- the loop: the same for one process and for every trainer rank under torchrun ----------------------------
     weights = dict(trainer.gathered(policy, body_dtype)) if job.world == 1 else None  # body dtype, FP32 head
@@ -428,23 +404,62 @@ def main(cfg):
             if step % cfg.eval_every == 0 or step == cfg.max_steps:
                 line += " | " + evaluate_now(weights)
             print(line, flush=True)
-            log_evals(wait=bool(save))  # a checkpoint keeps the rows of every evaluation up to its step
+            if job.world > 1:  # a checkpoint keeps the rows of every evaluation up to its step
+                log_evals(source, log, tasks, wait=bool(save))
         if save:  # every trainer rank; after skipped steps the weights are still the last good ones
             trainer.save_checkpoint(cfg, step, clock, source, job, policy, opt, rollouts)
         if bad_run >= cfg.max_nonfinite or stop:
             break
-    if job.rank == 0:
-        log_evals(wait=not stop)  # preempted: no time to wait
+    if job.rank == 0 and job.world > 1:
+        log_evals(source, log, tasks, wait=not stop)  # preempted: no time to wait
     source.close()
     took["generation"] = source.totals()["gen_s"]  # under torchrun: summed over the generator ranks
     if not stop:  # preempted: no export (schedulers give seconds); every trainer rank gathers
-        final = weights if job.world == 1 else {n: t.cpu() for n, t in trainer.gathered(policy, body_dtype) if job.rank == 0}
+        final = weights if job.world == 1 else {n: t.cpu() for n, t in trainer.gathered(policy, body_dtype)
+                                                if job.rank == 0}
         if job.rank == 0:
             print(f"policy at step {step} written to {trainer.export_hf(cfg, model, tok, final)} (from_pretrained, "
                   "vLLM)")
     pipeline_rl.dist_cleanup(job)
     finish(cfg, step, bad_run, tasks, dict(took, total=time.time() - t_start), stop, job.rank)
 
+
+def log_evals(source, log, tasks, wait=False):
+    """Under torchrun, trainer rank 0: the held-out results the generator ranks sent, logged under their step."""
+    for _, row, results in source.evals(wait):
+        pr = eval_summary(results, tasks)
+        log(dict(row, **pr, eval=True))
+        print(f"step {row['step']:4d} | {held_out_line(pr, tasks)} (generator ranks)", flush=True)
+
+
+def generator_rank(cfg, job, rollouts, val, resume_point):
+    """A generator rank's job under torchrun: its curriculum restored on --resume, its share of the held-out prompts
+    for the evaluations trainer rank 0 asks for, then pipeline_rl.run_generator until the trainer says stop."""
+    state_path = os.path.join(cfg.out_dir, f"generator{job.rank}.pt")  # its part of the checkpoint
+    if resume_point:
+        restore_generator(rollouts, state_path, resume_point["version"])
+    mine = held_out_templates(rollouts, val)[job.generators.index(job.rank)::len(job.generators)]
+    pipeline_rl.run_generator(job, rollouts, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
+                              group_size=cfg.group_size, save_every=cfg.ckpt_every, state_path=state_path,
+                              bucket_bytes=cfg.sync_bucket_mb << 20,
+                              evaluate=lambda seed: eval_samples(rollouts.engine, rollouts, mine, cfg.eval_samples,
+                                                                 seed))
+    pipeline_rl.dist_cleanup(job)
+
+
+def build_policy(cfg, job, model, tok):
+    """(policy, AdamW, body dtype): fp32 master weights, the body computed in the body dtype and the head in fp32
+    (Sec. 3.2) through FSDP2 (sharded over the trainer ranks, mixed precision, or both), activation checkpointing
+    per decoder layer if asked; AdamW as in App. A.3."""
+    body_dtype = getattr(torch, cfg.dtype)
+    if cfg.act_ckpt:  # each decoder layer's activations recomputed in the backward pass
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+    policy = trainer.Policy(model, cfg.temperature, torch.float32 if cfg.fp32_head else body_dtype, tok.pad_token_id)
+    if len(job.trainers) > 1 or body_dtype != torch.float32:
+        trainer.shard(policy, model.model.layers, job.groups.get("trainer") or pipeline_rl.local_group(), body_dtype)
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
+                            weight_decay=cfg.weight_decay)
+    return policy, opt, body_dtype
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Data, tokenizer, model
