@@ -197,11 +197,10 @@ class TorchEngine(Engine):
     def _queue(self, template, n):
         self.waiting.append([template, n, None])
 
-    loads_in_parts = True  # run_generator may hand it one bucket of a version at a time
-
     @torch.no_grad()
     def load_weights(self, source, version):
-        """In-flight update from `source`: a module, or {name: tensor} of some or all of the parameters."""
+        """In-flight update from `source`: a module, or {name: tensor} of some or all of the parameters (a generator
+        rank loads a version one bucket at a time)."""
         weights = dict(source.named_parameters()) if hasattr(source, "named_parameters") else source
         params = dict(self.model.named_parameters())
         for name, t in weights.items():
@@ -723,6 +722,19 @@ class TrainerLink(BatchSource):
                         f"{self.job.timeout:.0f} s")
 
 
+def receive_weights(job, engine, version, bucket_bytes, take=True):
+    """A generator rank's end of TrainerLink.push_weights: the version's buckets, formed from the engine's own
+    parameters, each loaded as it lands (`take`: PPO-off-policy receives every version, loads every k-th)."""
+    for run in buckets(((n, torch.empty_like(p, device="meta")) for n, p in engine.model.named_parameters()),
+                       bucket_bytes):
+        flat = torch.empty(sum(t.numel() for _, t in run), dtype=run[0][1].dtype, device=engine.device)  # NCCL needs
+        with waiting_for(job, f"policy version {version} from trainer rank 0"):  # it on the GPU
+            dist.broadcast(flat, src=0, group=job.groups["weights"])
+        if take:
+            engine.load_weights({n: x.view(t.shape) for x, (n, t) in zip(flat.split([t.numel() for _, t in run]),
+                                                                           run)}, version)
+
+
 def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_path, save_every, bucket_bytes,
                   evaluate=None):
     """A generator rank's job until trainer rank 0 says stop. Each turn: receive the weight versions published since
@@ -742,21 +754,6 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
             if engine.aside:  # training groups that finished during the evaluation
                 scoring.append((scorer.submit(rollouts.score, engine.aside), engine.aside))
                 engine.aside = []
-    def receive(v):  # version v's buckets, each loaded as it lands (an engine that cannot: all at once, at the end)
-        take, whole = mode == "pipeline" or v % k == 0, {}
-        for run in buckets(((n, torch.empty_like(p, device="meta")) for n, p in engine.model.named_parameters()),
-                           bucket_bytes):
-            flat = torch.empty(sum(t.numel() for _, t in run), dtype=run[0][1].dtype, device=engine.device)  # NCCL
-            with waiting_for(job, f"policy version {v} from trainer rank 0"):  # needs it on the GPU
-                dist.broadcast(flat, src=0, group=job.groups["weights"])
-            part = dict(zip((n for n, _ in run), (x.view(t.shape) for x, (_, t) in zip(
-                flat.split([t.numel() for _, t in run]), run))))
-            if take and engine.loads_in_parts:
-                engine.load_weights(part, v)
-            elif take:
-                whole.update(part)
-        if whole:
-            engine.load_weights(whole, v)
     evaluated = set()
     received, saved = engine.version, None  # a resumed run starts at the checkpoint's version
     next_group, idle_since = None, None     # the group id taken from the counter but not started yet
@@ -764,7 +761,7 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
     while True:
         stop = counter(job, "stop")  # read before the version: every broadcast published before the stop is received
         for v in range(received + 1, counter(job, "version") + 1):
-            receive(v)
+            receive_weights(job, engine, v, bucket_bytes, take=mode == "pipeline" or v % k == 0)
             received = v
             held_out(v)
         held_out(received)  # trainer rank 0 asks after it published the version (and the start's, after the start)
@@ -847,7 +844,7 @@ class VLLMEngine(Engine):
     its KV recomputed. Under torchrun (generator ranks) the engine core runs in a child process, away from the job's
     torch.distributed world, and the buckets reach it as bytes over vLLM's RPC. vLLM starts from dummy weights, then
     the model's. `self.model` is a meta-device copy (names, shapes, dtypes); vLLM's start-up side effects are undone."""
-    def __init__(self, model, *, slots, head_dtype=torch.float32, seed=0, **rules):
+    def __init__(self, model, *, slots, head_dtype=torch.float32, seed=0, gpu_share=0.9, **rules):
         import atexit
         import shutil
         import tempfile
@@ -860,8 +857,10 @@ class VLLMEngine(Engine):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.child else "0"
         if self.child:  # our loader function travels to the engine's process pickled (our own child: trusted)
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        if self.child and torch.cuda.is_available():
-            os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("LOCAL_RANK", "0")  # read by the child only
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if self.child and torch.cuda.is_available():  # the child sees this rank's GPU only: its LOCAL_RANK-th of the
+            ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]  # ones set
+            os.environ["CUDA_VISIBLE_DEVICES"] = ids[int(os.environ.get("LOCAL_RANK", 0))]
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         from vllm import EngineArgs, LLMEngine, SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -880,10 +879,17 @@ class VLLMEngine(Engine):
         self.llm = LLMEngine.from_engine_args(EngineArgs(
             model=self.dir, load_format="dummy", skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."),
             seed=seed,
-            max_model_len=self.max_len, max_num_seqs=slots, enforce_eager=True, async_scheduling=False,
-            kv_cache_memory_bytes=kv_bytes * slots * (self.max_len + 128), enable_prefix_caching=False,
+            max_model_len=self.max_len, max_num_seqs=slots, async_scheduling=False, enable_prefix_caching=False,
+            # a generator rank's GPU: vLLM sizes the KV cache from its share and captures CUDA graphs; else (CPU, or
+            # beside the trainer in one process) --slots full-length sequences, eager
+            **(dict(gpu_memory_utilization=gpu_share) if self.child and torch.cuda.is_available() else
+               dict(kv_cache_memory_bytes=kv_bytes * slots * (self.max_len + 128), enforce_eager=True)),
             logprobs_mode="processed_logprobs", use_tqdm_on_load=False, disable_log_stats=True,
             hf_overrides=dict(head_dtype="float32" if head_dtype == torch.float32 else "model")))
+        if visible is None:  # this process's own view of the GPUs is as it was
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
         random.setstate(saved[0]), np.random.set_state(saved[1]), torch.set_rng_state(saved[2])
         torch.set_num_threads = set_threads
         torch.set_num_threads(saved[3])
@@ -896,8 +902,6 @@ class VLLMEngine(Engine):
         self.live = {}          # vLLM request id -> its Running completion
         self.rng = torch.Generator().manual_seed(seed)  # per-request sampling seeds
         self.load_weights(model, 0)
-
-    loads_in_parts = True  # run_generator may hand it one bucket of a version at a time
     busy = property(lambda self: bool(self.live))
     room = property(lambda self: self.slots - len(self.live))  # vLLM queues what it cannot run at once
 

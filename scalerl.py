@@ -133,6 +133,7 @@ class Config:
     plan_gpus: int = 0                 # --dry_run: plan for this many GPUs (0: the torchrun world, else the paper's 80)
     dist_timeout: float = 60.0         # seconds a rank waits on another before exiting with a message (> one eval)
     sync_bucket_mb: int = 1024         # weight updates reach the generator ranks in buckets of at most this many MB
+    gpu_memory_utilization: float = 0.9  # a vLLM generator rank's share of its GPU (KV cache: what weights leave)
 
 
 # The paper's 8B run (App. A.3, A.10, A.16). The paper's model is unnamed: Qwen3-8B is a public 8B reasoning
@@ -256,6 +257,8 @@ def validate(cfg):
     for k, ok in CHOICES.items():
         if getattr(cfg, k) not in ok:
             fail(f"--{k}={getattr(cfg, k)!r} is not one of: {', '.join(ok)}")
+    if not 0 < cfg.gpu_memory_utilization <= 1:
+        fail(f"--gpu_memory_utilization must be in (0, 1], got {cfg.gpu_memory_utilization}")
     if not 0 <= cfg.code_frac <= 1:
         fail(f"--code_frac must be in [0, 1], got {cfg.code_frac}")
     if len(set(cfg.task.split("+"))) < len(cfg.task.split("+")):
@@ -383,6 +386,7 @@ def main(cfg):
         if job.world == 1:
             weights = dict(weights)
         source.push_weights(weights)  # in flight to the engine(s) (PipelineRL), or every k steps (PPO-off-policy)
+        stats["sync_s"] = time.time() - t1 - t_train
         step += 1
         stop = preempt.signal if len(job.trainers) == 1 else pipeline_rl.share(job, preempt.signal)  # rank 0's word
         dt = time.time() - t0
@@ -551,7 +555,8 @@ def make_engine(cfg, model, tok, seed, device=None):
             think_close_ids=data.encode(tok, data.THINK_CLOSE), temperature=cfg.temperature,
             interrupt_ids=data.encode(tok, data.INTERRUPT_PHRASE.removesuffix(data.THINK_CLOSE))
             + data.encode(tok, data.THINK_CLOSE) if cfg.interrupt else None,
-            head_dtype=torch.float32 if cfg.fp32_head else dtype, seed=seed)
+            head_dtype=torch.float32 if cfg.fp32_head else dtype, seed=seed,
+            **(dict(gpu_share=cfg.gpu_memory_utilization) if cfg.engine == "vllm" else {}))
     except ImportError as e:  # vllm not installed (or a broken install)
         fail(f"--engine vllm needs vLLM: pip install -r requirements-vllm.txt ({pipeline_rl.first_line(e)})")
     except ValueError as e:  # an option the engine cannot honour

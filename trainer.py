@@ -594,7 +594,7 @@ def metrics_row(step, clock, batch, stats, gen, gen0, dt, t_train, n_gen, source
                zero_var_frac=1 - len(batch.kept) / len(batch.groups), npr_removed=gen["npr_removed"],
                epoch=gen["epoch"], gen_tok_s=(gen["tokens"] - gen0["tokens"]) / max(gen_s, 1e-9),
                gen_busy=gen_s / (dt * n_gen), train_tok_s=stats["n_tokens"] / max(t_train, 1e-9),
-               train_busy=t_train / dt, train_tokens=stats["n_tokens"], lr=stats["lr"], dt=dt,
+               train_busy=t_train / dt, train_tokens=stats["n_tokens"], lr=stats["lr"], dt=dt, sync_s=stats["sync_s"],
                skipped_nonfinite=int(not stats["finite"]), reward_errors=gen["reward_errors"],
                bad_prompts=gen["bad_prompts"])
     for t in dict.fromkeys(task_of.values()):  # with several tasks: the mean reward of each task's completions

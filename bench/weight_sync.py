@@ -1,0 +1,107 @@
+"""What one weight update costs under torchrun: trainer rank 0 gathers the policy in the body dtype and broadcasts it
+in buckets (pipeline_rl.TrainerLink.push_weights), a generator rank receives each bucket and loads it into its
+PyTorch engine as it lands (pipeline_rl.receive_weights), against a raw broadcast of the same bytes as one tensor
+between the same two processes, in the same run. Also the generator's peak extra resident memory during an update
+(the goal: about one bucket, never the whole model).
+
+Two processes on CPU over gloo; random-init models, nothing downloaded:
+
+    torchrun --standalone --nproc_per_node=2 bench/weight_sync.py                        # the tiny model, fp32
+    torchrun --standalone --nproc_per_node=2 bench/weight_sync.py --shape Qwen/Qwen3-0.6B --dtype bfloat16
+
+Prints, from rank 0: model bytes, bucket size, the median of --repeats updates (trainer side, until the generator
+took the last bucket), the raw broadcast's median, their ratio, and the generator's peak extra memory.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import data  # noqa: E402
+import pipeline_rl  # noqa: E402
+import scalerl  # noqa: E402
+import trainer  # noqa: E402
+from runs.plan import KNOWN_SHAPES  # noqa: E402
+
+
+def build(args):
+    """(model, tokenizer, cfg): the tiny model, or a random-init Qwen3 of a known shape (a small vocabulary's worth of
+    tokenizer is not needed: the engine only holds the weights)."""
+    cfg = scalerl.Config(dtype=args.dtype, slots=4, sync_bucket_mb=args.bucket_mb)
+    tok = data.char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=")
+    if args.shape == "tiny":
+        return scalerl.build_model(cfg, len(tok)), tok, cfg
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    L, H, I, nq, nkv, hd, V, tied = KNOWN_SHAPES[args.shape]
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=L,
+                                        num_attention_heads=nq, num_key_value_heads=nkv, head_dim=hd,
+                                        tie_word_embeddings=tied, max_position_embeddings=4096)), tok, cfg
+
+
+def rss_mb(field="VmRSS"):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="tiny", choices=["tiny", *KNOWN_SHAPES])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--bucket_mb", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    job = pipeline_rl.dist_init(gen_ranks=1, timeout=600)
+    model, tok, cfg = build(args)
+    bucket = cfg.sync_bucket_mb << 20
+    if job.rank == 0:  # the trainer: fp32 masters, weights gathered in the body dtype, bucketed broadcasts
+        policy, link = trainer.Policy(model, 1.0), pipeline_rl.TrainerLink(job, k=1, batch_prompts=1,
+                                                                          bucket_bytes=bucket)
+        nbytes = sum(t.nbytes for _, t in trainer.gathered(policy, getattr(torch, cfg.dtype)))
+        times = []
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            link.push_weights(trainer.gathered(policy, getattr(torch, cfg.dtype)))
+            link._land()  # until the generator took the last bucket
+            times.append(time.perf_counter() - t)
+    else:  # the generator: a PyTorch engine in the body dtype, loading each bucket as it lands
+        engine = scalerl.make_engine(cfg, model, tok, seed=0)
+        del model
+        base, peak = rss_mb(), 0.0
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak resident memory (VmHWM) to the current
+        for v in range(1, args.repeats + 1):
+            while pipeline_rl.counter(job, "version") < v:
+                time.sleep(0.001)
+            pipeline_rl.receive_weights(job, engine, v, bucket)
+        peak = rss_mb("VmHWM") - base
+    dist.barrier()
+    raw = torch.empty(int(nbytes) if job.rank == 0 else 0, dtype=torch.uint8)  # the same bytes, one tensor
+    size = torch.tensor([raw.numel()])
+    dist.broadcast(size, src=0)
+    raw = raw if job.rank == 0 else torch.empty(int(size), dtype=torch.uint8)
+    raw_times = []
+    for _ in range(args.repeats):
+        dist.barrier()
+        t = time.perf_counter()
+        dist.broadcast(raw, src=0)
+        raw_times.append(time.perf_counter() - t)
+    extra = torch.tensor([peak if job.rank == 1 else 0.0])
+    dist.all_reduce(extra)
+    if job.rank == 0:
+        upd, base = statistics.median(times), statistics.median(raw_times)
+        print(f"{args.shape} ({args.dtype}): {nbytes / 1e6:.1f} MB of weights, {args.bucket_mb} MB buckets | update "
+              f"{upd * 1e3:.1f} ms, raw broadcast {base * 1e3:.1f} ms, x{upd / base:.2f} | generator peak extra "
+              f"{float(extra):.1f} MB", flush=True)
+    os._exit(0)  # TrainerLink's receiver thread waits for rollouts that never come
+
+
+if __name__ == "__main__":
+    main()
