@@ -31,7 +31,8 @@ import trainer
 from conftest import (ENV, ROOT, one_line_error, read_jsonl, run_command, scalerl_command, torchrun_command,
                       tree_hashes)
 
-TIMING = {"dt", "device_hours", "cpu_hours", "gen_tok_s", "train_tok_s", "gen_busy", "train_busy"}  # wall-clock fields
+TIMING = {"dt", "device_hours", "cpu_hours", "gen_tok_s", "train_tok_s", "gen_busy", "train_busy",
+          "sync_s"}  # wall-clock fields
 
 
 def command(out, *args):
