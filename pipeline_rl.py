@@ -673,14 +673,14 @@ class TrainerLink(BatchSource):
                                                            async_op=True)  # (the tensor lives until it lands)
 
     def ask_eval(self, version, seed, row):
-        """Trainer rank 0: ask the generator ranks for `version`'s held-out pass rate, before it is published (or, for
-        the start's version, at once); each evaluates its share when it has the version, between engine steps."""
+        """Trainer rank 0: ask the generator ranks for `version`'s held-out pass rate (once it is published, before the
+        next one is); each evaluates its share with that version, between engine steps."""
         self.asked[version] = row
         with waiting_for(self.job, "the job's TCPStore (held-out request)"):
             self.job.store.set(f"eval/{version}", str(seed))
 
     def evals(self, wait=False):
-        """Trainer rank 0: [(version, row, results of every generator rank)] of the evaluations that are complete;
+        """Trainer rank 0: [(row, results of every generator rank)] of the evaluations that are complete, in order;
         `wait`: all of them, within the time-out (a checkpoint or the end must not lose one)."""
         out, t = [], time.time()
         for v in sorted(self.asked):
@@ -692,7 +692,7 @@ class TrainerLink(BatchSource):
                     die(f"{self.job.name} gave up waiting for the held-out pass rate of policy version {v} from "
                         f"generator ranks {self.job.generators} after {self.job.timeout:.0f} s")
                 time.sleep(0.01)
-            out.append((v, self.asked.pop(v), [r for key in keys for r in json.loads(self.job.store.get(key))]))
+            out.append((self.asked.pop(v), [r for key in keys for r in json.loads(self.job.store.get(key))]))
             for key in keys + [f"eval/{v}"]:
                 self.job.store.delete_key(key)
         return out
@@ -815,7 +815,7 @@ def as_bytes(pairs):
     """(name, tensor) pairs as {"spec": [(name, dtype, shape)], "blob": bytes}, what vLLM's RPC carries to a child."""
     flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in pairs]).cpu() if pairs else torch.empty(0)
     return dict(spec=[(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in pairs],
-                blob=flat.numpy().tobytes())
+                blob=memoryview(flat.numpy()))  # sent as it is, no copy to bytes
 
 
 def load_in_worker(worker, pairs):
@@ -878,8 +878,8 @@ class VLLMEngine(Engine):
         cfg.save_pretrained(self.dir)
         self.llm = LLMEngine.from_engine_args(EngineArgs(
             model=self.dir, load_format="dummy", skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."),
-            seed=seed,
-            max_model_len=self.max_len, max_num_seqs=slots, async_scheduling=False, enable_prefix_caching=False,
+            seed=seed, max_model_len=self.max_len, max_num_seqs=slots, async_scheduling=False,
+            enable_prefix_caching=False,
             # a generator rank's GPU: vLLM sizes the KV cache from its share and captures CUDA graphs; else (CPU, or
             # beside the trainer in one process) --slots full-length sequences, eager
             **(dict(gpu_memory_utilization=gpu_share) if self.child and torch.cuda.is_available() else
@@ -902,6 +902,7 @@ class VLLMEngine(Engine):
         self.live = {}          # vLLM request id -> its Running completion
         self.rng = torch.Generator().manual_seed(seed)  # per-request sampling seeds
         self.load_weights(model, 0)
+
     busy = property(lambda self: bool(self.live))
     room = property(lambda self: self.slots - len(self.live))  # vLLM queues what it cannot run at once
 

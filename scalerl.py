@@ -430,7 +430,7 @@ def main(cfg):
 
 def log_evals(source, log, tasks, wait=False):
     """Under torchrun, trainer rank 0: the held-out results the generator ranks sent, logged under their step."""
-    for _, row, results in source.evals(wait):
+    for row, results in source.evals(wait):
         pr = eval_summary(results, tasks)
         log(dict(row, **pr, eval=True))
         print(f"step {row['step']:4d} | {held_out_line(pr, tasks)} (generator ranks)", flush=True)

@@ -278,11 +278,11 @@ def sharded(policy):
     return isinstance(policy, FSDPModule)
 
 
-def sharded_state(policy, opt):
+def sharded_state(policy, opt, with_opt):
     """{"model": ..., "opt": ...} of DTensor shards for torch.distributed.checkpoint; "opt" only once AdamW has state
     (reading the state of a fresh optimizer would initialise it with a step of zero gradients, counted by Adam)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-    if not opt.state:
+    if not with_opt:
         return dict(model=get_model_state_dict(policy.lm))
     return dict(zip(("model", "opt"), get_state_dict(policy.lm, opt)))
 
@@ -293,7 +293,8 @@ def save_shards(job, policy, opt, where):
     import torch.distributed.checkpoint as dcp
     try:
         with pipeline_rl.waiting_for(job, f"checkpoint shards of trainer ranks {job.trainers}"):
-            dcp.save(sharded_state(policy, opt), checkpoint_id=where, process_group=job.groups["trainer"])
+            dcp.save(sharded_state(policy, opt, bool(opt.state)), checkpoint_id=where,
+                     process_group=job.groups["trainer"])
     except (OSError, dcp.api.CheckpointException) as e:  # a full disk on any rank fails the save on every rank
         write_failed(where, e if isinstance(e, OSError) else OSError(errno.EIO, pipeline_rl.first_line(e)))
 
@@ -302,8 +303,8 @@ def load_shards(job, policy, opt, where, with_opt):
     """The inverse, on every trainer rank: each reads its own shard (the same number of trainer ranks); the optimizer
     state if the checkpoint has one (the step-0 checkpoint has none)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
-    state = dict(zip(("model", "opt"), get_state_dict(policy.lm, opt))) if with_opt else sharded_state(policy, opt)
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+    state = sharded_state(policy, opt, with_opt)
     with pipeline_rl.waiting_for(job, f"checkpoint shards of trainer ranks {job.trainers}"):
         dcp.load(state, checkpoint_id=where, process_group=job.groups["trainer"])
     if with_opt:
