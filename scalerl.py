@@ -320,7 +320,7 @@ def main(cfg):
     random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
     train, val, tasks = load_data(cfg)
     model, tok = load_model(cfg, tasks)
-    took, t_warm = dict(training=0.0, evaluation=0.0), time.time()  # seconds, for the end-of-run summary
+    took, t_warm = dict(warm_start=0.0, training=0.0, evaluation=0.0), time.time()  # seconds, for the summary
     if job.rank == 0 and not resume_point and cfg.model == "tiny":
         trainer.warm_start(cfg, model, tok, os.path.dirname(os.path.normpath(cfg.out_dir)) or ".")
     took["warm_start"] = time.time() - t_warm
