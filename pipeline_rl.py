@@ -183,6 +183,12 @@ class TorchEngine(Engine):
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.cache = SlotCache(cfg.num_hidden_layers, slots, cfg.num_key_value_heads, self.max_len, head_dim, dtype,
                                self.device)
+        self.flat = {}  # dtype -> the parameters of that dtype, in order, as views of one tensor: a weight bucket
+        for dt in {p.dtype for p in model.parameters()}:  # (consecutive parameters of one dtype) lands in place
+            ps = [p for p in model.parameters() if p.dtype == dt]
+            self.flat[dt] = torch.cat([p.detach().reshape(-1) for p in ps])
+            for p, x in zip(ps, self.flat[dt].split([p.numel() for p in ps])):
+                p.data = x.view_as(p)
         if cfg._attn_implementation == "sdpa":  # ours is that SDPA plus horizons; others (eager, flash...) stay
             AttentionInterface.register("scalerl_slots", slot_attention)
             model.set_attn_implementation("scalerl_slots")
@@ -206,6 +212,12 @@ class TorchEngine(Engine):
         for name, t in weights.items():
             params[name].copy_(t)
         self.version = version
+
+    def landing(self, run):  # weight bucket `run` ((name, tensor, dtype) of consecutive parameters): where it lands
+        first = self.model.get_parameter(run[0][0])
+        flat = self.flat[first.dtype]
+        at = (first.data_ptr() - flat.data_ptr()) // flat.element_size()
+        return flat[at:at + sum(t.numel() for _, t, _ in run)]
 
     @torch.no_grad()
     def step(self):
@@ -596,22 +608,38 @@ def recv_groups(job, src):
 
 
 def buckets(named, limit):
-    """Runs of consecutive (name, tensor) pairs of one dtype, about `limit` bytes each: the weight broadcast's buckets,
-    formed alike by trainer rank 0 (from the gathered weights) and by every generator rank (from its engine's
-    parameters, the same names, shapes and dtypes). A decoder layer is never split (vLLM loads whole layers), so a
-    bucket may pass `limit` by part of one layer, and a larger tensor is a bucket of its own."""
+    """Runs of consecutive (name, tensor, dtype) of one dtype, about `limit` bytes each (in that dtype): the weight
+    broadcast's buckets, formed alike by trainer rank 0 (from `trainer.weight_parts`) and by every generator rank (from
+    its engine's parameters, the same names, shapes and dtypes). A decoder layer is never split (vLLM loads whole
+    layers), so a bucket may pass `limit` by part of one layer, and a larger tensor is a bucket of its own."""
     def unit(name):  # model.layers.3.mlp.up_proj.weight -> model.layers.3
         parts = name.split(".")
         return ".".join(parts[:3]) if len(parts) > 3 and parts[1] == "layers" else name
     run, size = [], 0
-    for name, t in named:
-        if run and (t.dtype != run[0][1].dtype or size + t.nbytes > limit and unit(name) != unit(run[-1][0])):
+    for name, t, dtype in named:
+        nbytes = t.numel() * dtype.itemsize
+        if run and (dtype != run[0][2] or size + nbytes > limit and unit(name) != unit(run[-1][0])):
             yield run
             run, size = [], 0
-        run.append((name, t))
-        size += t.nbytes
+        run.append((name, t, dtype))
+        size += nbytes
     if run:
         yield run
+
+
+class Staging:
+    """Byte buffers that every weight update reuses, grown when a bucket needs more: a new buffer per bucket pays its
+    page faults each time, which on a CPU host cost more than the broadcast itself (bench/weight_sync.py)."""
+    def __init__(self):
+        self.bufs = {}
+
+    def __call__(self, i, run, device):  # buffer i's first bytes as one flat tensor of the bucket's numel and dtype
+        numel, dtype = sum(t.numel() for _, t, _ in run), run[0][2]
+        buf = self.bufs.get(i)
+        if buf is None or buf.numel() < numel * dtype.itemsize or buf.device != device:
+            self.bufs[i] = buf = None  # (the old one goes first)
+            self.bufs[i] = buf = torch.empty(numel * dtype.itemsize, dtype=torch.uint8, device=device)
+        return buf[:numel * dtype.itemsize].view(dtype)
 
 
 class TrainerLink(BatchSource):
@@ -620,6 +648,7 @@ class TrainerLink(BatchSource):
     def __init__(self, job, *, k, batch_prompts, bucket_bytes):
         super().__init__(k, batch_prompts)
         self.job, self.inbox, self.pending, self.bucket_bytes = job, queue.Queue(), None, bucket_bytes
+        self.staging = Staging()
         self.kept, self.info = {}, {}  # group id -> kept by the zero-variance filter; generator rank -> its info()
         self.asked = {}  # policy version -> what to log with its held-out pass rate, once the generators send it
         self.threads = [threading.Thread(target=self._receive, args=(rank,), daemon=True)
@@ -656,9 +685,10 @@ class TrainerLink(BatchSource):
         counter(self.job, "dropped", 1)  # its place under the lag bound goes back to the generators
 
     def push_weights(self, weights):
-        """Every trainer rank: `weights` yields (name, tensor) in the body dtype (trainer.gathered: every trainer rank
-        takes part in each gather). Trainer rank 0 publishes the version, then broadcasts the tensors in buckets, one
-        in flight while the next is packed; the generators take them between their engine steps."""
+        """Every trainer rank: `weights` yields (name, tensor, dtype) (trainer.weight_parts: every trainer rank takes
+        part in each gather). Trainer rank 0 publishes the version, then broadcasts the tensors in buckets, each cast
+        while copied into one of two reused buffers, one in flight while the other is packed; the generators take them
+        between their engine steps."""
         self.version += 1
         if self.job.rank != 0:
             for _ in weights:
@@ -666,8 +696,13 @@ class TrainerLink(BatchSource):
             return
         self._land()
         counter(self.job, "version", 1)  # the generators join this version's broadcasts
-        for run in buckets(((n, t.detach()) for n, t in weights), self.bucket_bytes):
-            flat = torch.cat([t.reshape(-1) for _, t in run])
+        for i, run in enumerate(buckets(weights, self.bucket_bytes)):
+            if len(run) == 1 and run[0][1].numel() * run[0][2].itemsize > self.bucket_bytes:
+                flat = run[0][1].reshape(-1).to(run[0][2])  # larger than a bucket: sent as it is (no buffer that big)
+            else:
+                flat = self.staging(i % 2, run, run[0][1].device)  # the buffer broadcast i - 2 sent from has landed
+                for x, (_, t, _) in zip(flat.split([t.numel() for _, t, _ in run]), run):
+                    x.copy_(t.reshape(-1))  # cast while copied (torch.cat casts through a temporary)
             self._land()
             self.flat, self.pending = flat, dist.broadcast(flat, src=0, group=self.job.groups["weights"],
                                                            async_op=True)  # (the tensor lives until it lands)
@@ -722,17 +757,22 @@ class TrainerLink(BatchSource):
                         f"{self.job.timeout:.0f} s")
 
 
-def receive_weights(job, engine, version, bucket_bytes, take=True):
+def receive_weights(job, engine, version, bucket_bytes, take=True, staging=None):
     """A generator rank's end of TrainerLink.push_weights: the version's buckets, formed from the engine's own
-    parameters, each loaded as it lands (`take`: PPO-off-policy receives every version, loads every k-th)."""
-    for run in buckets(((n, torch.empty_like(p, device="meta")) for n, p in engine.model.named_parameters()),
-                       bucket_bytes):
-        flat = torch.empty(sum(t.numel() for _, t in run), dtype=run[0][1].dtype, device=engine.device)  # NCCL needs
-        with waiting_for(job, f"policy version {version} from trainer rank 0"):  # it on the GPU
+    parameters, each loaded as it lands (`take`: PPO-off-policy receives every version, loads every k-th). The PyTorch
+    engine receives a bucket straight into its parameters; vLLM, and a version not taken, into one reused buffer
+    (`staging`: a Staging)."""
+    staging = staging or Staging()
+    for run in buckets(((n, p, p.dtype) for n, p in engine.model.named_parameters()), bucket_bytes):
+        in_place = take and hasattr(engine, "landing")
+        flat = engine.landing(run) if in_place else staging(0, run, engine.device)  # NCCL needs it on the GPU
+        with waiting_for(job, f"policy version {version} from trainer rank 0"):
             dist.broadcast(flat, src=0, group=job.groups["weights"])
-        if take:
-            engine.load_weights({n: x.view(t.shape) for x, (n, t) in zip(flat.split([t.numel() for _, t in run]),
-                                                                           run)}, version)
+        if in_place:
+            engine.version = version
+        elif take:
+            engine.load_weights({n: x.view(t.shape) for x, (n, t, _) in zip(flat.split([t.numel() for _, t, _ in run]),
+                                                                              run)}, version)
 
 
 def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_path, save_every, bucket_bytes,
@@ -742,7 +782,7 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
     trainer asked for (`evaluate(seed)` -> results, on this rank's share of the held-out prompts), send the groups
     scored so far (on a thread) in finishing order, admit groups under the job's lag bound, one engine step; --resume
     state every `save_every`."""
-    engine = rollouts.engine
+    engine, staging = rollouts.engine, Staging()
 
     def held_out(v):  # trainer rank 0 asked for version v's pass rate: with v's weights, between engine steps
         if evaluate and v not in evaluated and job.store.check([f"eval/{v}"]):
@@ -761,7 +801,7 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
     while True:
         stop = counter(job, "stop")  # read before the version: every broadcast published before the stop is received
         for v in range(received + 1, counter(job, "version") + 1):
-            receive_weights(job, engine, v, bucket_bytes, take=mode == "pipeline" or v % k == 0)
+            receive_weights(job, engine, v, bucket_bytes, take=mode == "pipeline" or v % k == 0, staging=staging)
             received = v
             held_out(v)
         held_out(received)  # trainer rank 0 asks after it published the version (and the start's, after the start)

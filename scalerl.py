@@ -382,9 +382,8 @@ def main(cfg):
         stats = trainer.train_step(policy, opt, batch.kept, cfg, step, job)
         t_train = time.time() - t1
         took["training"] += t_train
-        weights = trainer.gathered(policy, body_dtype)  # one parameter at a time (torchrun: streamed in buckets)
-        if job.world == 1:
-            weights = dict(weights)
+        weights = dict(trainer.gathered(policy, body_dtype)) if job.world == 1 else \
+            trainer.weight_parts(policy, body_dtype)  # torchrun: one parameter at a time, cast into buckets
         source.push_weights(weights)  # in flight to the engine(s) (PipelineRL), or every k steps (PPO-off-policy)
         stats["sync_s"] = time.time() - t1 - t_train
         step += 1

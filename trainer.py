@@ -263,14 +263,22 @@ def full_state_dict(module):
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
 
 
-def gathered(policy, body_dtype):
-    """The weights the generators and the export take, as (name, tensor): the body in its dtype, an untied head in the
-    head's (the FP32 head, Sec. 3.2), gathered one parameter at a time in that dtype, never a full fp32 copy. Under
-    FSDP2 every trainer rank must consume it (an all-gather per parameter); the consumer keeps what it needs."""
+def weight_parts(policy, body_dtype):
+    """The weights the generators and the export take, as (name, tensor, dtype): the body in its dtype, an untied head
+    in the head's (the FP32 head, Sec. 3.2). A plain parameter comes as it is, for the consumer to cast while it copies
+    (a weight bucket: no new tensor per parameter); an FSDP2 one is gathered, one at a time, already in `dtype` (half
+    the bytes on the wire, never a full fp32 copy). Every trainer rank must consume it (an all-gather per parameter);
+    the consumer keeps what it needs."""
     from torch.distributed.tensor import DTensor
     for name, p in policy.lm.named_parameters():
-        v = p.detach().to(policy.head.dtype if name == "lm_head.weight" else body_dtype)
-        yield name, v.full_tensor() if isinstance(v, DTensor) else v
+        dtype = policy.head.dtype if name == "lm_head.weight" else body_dtype
+        yield name, p.detach().to(dtype).full_tensor() if isinstance(p, DTensor) else p.detach(), dtype
+
+
+def gathered(policy, body_dtype):
+    """`weight_parts` as (name, tensor) in the dtype each takes."""
+    for name, t, dtype in weight_parts(policy, body_dtype):
+        yield name, t.to(dtype)
 
 
 def sharded(policy):

@@ -64,11 +64,11 @@ def main():
     if job.rank == 0:  # the trainer: fp32 masters, weights gathered in the body dtype, bucketed broadcasts
         policy, link = trainer.Policy(model, 1.0), pipeline_rl.TrainerLink(job, k=1, batch_prompts=1,
                                                                           bucket_bytes=bucket)
-        nbytes = sum(t.nbytes for _, t in trainer.gathered(policy, getattr(torch, cfg.dtype)))
+        nbytes = sum(t.numel() * d.itemsize for _, t, d in trainer.weight_parts(policy, getattr(torch, cfg.dtype)))
         times = []
         for _ in range(args.repeats):
             t = time.perf_counter()
-            link.push_weights(trainer.gathered(policy, getattr(torch, cfg.dtype)))
+            link.push_weights(trainer.weight_parts(policy, getattr(torch, cfg.dtype)))
             link._land()  # until the generator took the last bucket
             times.append(time.perf_counter() - t)
     else:  # the generator: a PyTorch engine in the body dtype, loading each bucket as it lands
@@ -77,10 +77,11 @@ def main():
         base, peak = rss_mb(), 0.0
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset the peak resident memory (VmHWM) to the current
+        staging = pipeline_rl.Staging()  # reused by every update, as in run_generator
         for v in range(1, args.repeats + 1):
             while pipeline_rl.counter(job, "version") < v:
-                time.sleep(0.001)
-            pipeline_rl.receive_weights(job, engine, v, bucket)
+                pass  # (a sleep here would time the poll, not the update)
+            pipeline_rl.receive_weights(job, engine, v, bucket, staging=staging)
         peak = rss_mb("VmHWM") - base
     dist.barrier()
     raw = torch.empty(int(nbytes) if job.rank == 0 else 0, dtype=torch.uint8)  # the same bytes, one tensor

@@ -293,7 +293,7 @@ def test_trainer_tensors_mask_forced_tokens_and_align_logprobs(never_stop):
 
 @pytest.mark.parametrize("dtype, fp32_head", [("bfloat16", True), ("bfloat16", False), ("float32", True)])
 def test_weight_buckets_agree_between_trainer_and_generator(dtype, fp32_head):
-    """Under torchrun trainer rank 0 packs the gathered weights into buckets and every generator rank forms the same
+    """Under torchrun trainer rank 0 packs the weights (cast while copied) into buckets and every generator rank forms the same
     buckets from its engine's parameters: the same names, shapes, dtypes and sizes, in the same order."""
     cfg = scalerl.Config(dtype=dtype, fp32_head=fp32_head)
     tok = data.char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=")
@@ -303,9 +303,9 @@ def test_weight_buckets_agree_between_trainer_and_generator(dtype, fp32_head):
     limit = 64 << 10  # 64 KB: many buckets for the 0.87M-parameter model
 
     def layout(named):
-        return [[(n, tuple(t.shape), t.dtype) for n, t in run] for run in pipeline_rl.buckets(named, limit)]
-    sent = layout(trainer.gathered(policy, getattr(torch, dtype)))
-    spec = layout((n, torch.empty_like(p, device="meta")) for n, p in engine.model.named_parameters())
+        return [[(n, tuple(t.shape), d) for n, t, d in run] for run in pipeline_rl.buckets(named, limit)]
+    sent = layout(trainer.weight_parts(policy, getattr(torch, dtype)))
+    spec = layout((n, p, p.dtype) for n, p in engine.model.named_parameters())
     assert sent == spec and len(sent) >= 5  # a bucket per decoder layer at least
     assert {d for run in sent for *_, d in run} == ({torch.bfloat16, torch.float32} if dtype == "bfloat16" and fp32_head
                                                     else {getattr(torch, dtype)})

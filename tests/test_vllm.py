@@ -220,10 +220,10 @@ def test_weights_loaded_bucket_by_bucket_give_the_trainers_logprobs(tiny):
     its behaviour logprobs are then the trainer's, to the same tolerance as an engine built from the model."""
     model, tok, cfg = tiny
     eng = vllm_engine(scalerl.build_model(replace(cfg, seed=5), len(tok)), tok, cfg)
-    parts = list(pipeline_rl.buckets(model.named_parameters(), 64 << 10))
+    parts = list(pipeline_rl.buckets(((n, p, p.dtype) for n, p in model.named_parameters()), 64 << 10))
     assert len(parts) >= 5
     for part in parts:
-        eng.load_weights(dict(part), 1)
+        eng.load_weights({n: t for n, t, _ in part}, 1)
     samples = [s for g in eng.generate(templates(tok, 8), 4) for s in g]
     assert all(set(s.versions) == {1} for s in samples)
     assert free_error(model, samples) < 5e-5
