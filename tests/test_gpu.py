@@ -1,6 +1,7 @@
 """The CUDA path, where a GPU is present (skipped elsewhere): the engine's behaviour logprobs against the mixed-
 precision trainer's on the GPU, one FSDP2 rank over NCCL training a bf16 Qwen3 step with the FP32 head, the chunked
-FP32 head's memory at 16,384 x 151,936, and a few real steps of `python scalerl.py` on the GPU.
+FP32 head's memory at 16,384 x 151,936, a weight update over NCCL into the PyTorch engine, and a few real steps of
+`python scalerl.py` on the GPU.
 
 Run: python -m pytest -m gpu -s   (prints the measured mismatches)
 """
@@ -14,7 +15,7 @@ import pipeline_rl
 import scalerl
 import trainer
 from conftest import read_jsonl, run_command, scalerl_command
-from test_pipeline import engine, templates, tiny_model
+from test_pipeline import engine, templates, tiny_model, update_through_the_link
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -41,6 +42,14 @@ def test_engine_and_mixed_precision_trainer_agree_on_the_gpu():
     fp32_head, low_head = gpu_mismatch(torch.float32), gpu_mismatch(torch.bfloat16)
     print(f"\nGPU mean |gen - train| logprob, bf16 body: fp32 head {fp32_head:.2e}, bf16 head {low_head:.2e}")
     assert fp32_head < 0.02 and low_head < 0.05
+
+
+def test_a_weight_update_over_nccl_lands_in_the_torch_engine():
+    """The torchrun weight path's GPU half in a group of one (NCCL): bucket buffers on the GPU, broadcasts over NCCL,
+    the engine's parameters as the landing; afterwards the engine samples with the trainer's logprobs."""
+    gap = update_through_the_link("cuda")
+    print(f"\nGPU mean |gen - train| logprob after an update through the link: {gap:.2e}")
+    assert gap < 0.02
 
 
 def test_one_fsdp2_rank_over_nccl_trains_a_bf16_qwen3_step():

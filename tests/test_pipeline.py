@@ -291,6 +291,45 @@ def test_trainer_tensors_mask_forced_tokens_and_align_logprobs(never_stop):
         assert torch.equal(gen_logp[i, P - 1:P - 1 + n], torch.tensor(s.logprobs))
 
 
+def update_through_the_link(device):
+    """One weight update on the torchrun path, in a process group of one (gloo on CPU, NCCL on a GPU): trainer rank 0's
+    TrainerLink.push_weights casts a bf16-body, FP32-head policy into its two bucket buffers and broadcasts them; the
+    generator's PyTorch engine, built from other weights, takes each bucket where receive_weights lands it (its own
+    parameters: `landing`). In a group of one a broadcast moves nothing, so the bytes cross by a copy. Returns the
+    mean |behaviour - trainer| logprob of the engine's samples afterwards, and the bf16 trainer's own gap."""
+    m = tiny_model(vocab=512).to(device)
+    with torch.no_grad():
+        m.lm_head.weight *= 40
+    other = tiny_model(seed=3, vocab=512).to(device)
+    for n, p in other.named_parameters():
+        p.data = p.data.to(torch.float32 if n == "lm_head.weight" else torch.bfloat16)
+    eng = engine(other, slots=16, head_dtype=torch.float32, think=(20, 24))
+    policy = trainer.Policy(m, 1.0, torch.float32)
+    trainer.shard(policy, m.model.layers, pipeline_rl.local_group(), torch.bfloat16)
+    job = pipeline_rl.Dist(groups={"weights": pipeline_rl.local_group()}, store=torch.distributed.HashStore())
+    link = pipeline_rl.TrainerLink(job, k=1, batch_prompts=1, bucket_bytes=1 << 30)  # two buckets: body, head
+    link.push_weights(trainer.weight_parts(policy, torch.bfloat16))
+    link._land()
+    runs = list(pipeline_rl.buckets(((n, p, p.dtype) for n, p in eng.model.named_parameters()), 1 << 30))
+    assert [r[0][2] for r in runs] == [torch.bfloat16, torch.float32] and len(link.staging.bufs) == 2
+    for i, run in enumerate(runs):
+        sent = link.staging(i, run, torch.device(device))
+        assert sent.device.type == torch.device(device).type
+        eng.landing(run).copy_(sent)  # the wire
+    eng.version = 1
+    want = dict(trainer.gathered(policy, torch.bfloat16))
+    for n, p in eng.model.named_parameters():  # every parameter arrived, cast as the export casts it
+        assert torch.equal(p, want[n]), n
+    samples = [s for g in eng.generate(templates(8), 4) for s in g]
+    assert all(set(s.versions) == {1} for s in samples)
+    ids, att, tmask, gen_logp = (t.to(device) for t in trainer.rollout_tensors(samples, 0))
+    with torch.no_grad():
+        return (policy(ids, att) - gen_logp)[tmask.bool()].abs().mean().item()
+
+
+def test_a_weight_update_through_the_link_lands_in_the_engines_parameters():
+    assert update_through_the_link("cpu") < 0.02  # bf16 body: the engine's decode against the trainer's forward
+
 @pytest.mark.parametrize("dtype, fp32_head", [("bfloat16", True), ("bfloat16", False), ("float32", True)])
 def test_weight_buckets_agree_between_trainer_and_generator(dtype, fp32_head):
     """Under torchrun trainer rank 0 packs the weights (cast while copied) into buckets and every generator rank forms the same
