@@ -90,9 +90,10 @@ def engine_rows(cfg, shape, seq):
 
 def sync_rows(cfg, shape, world):
     """Weight-sync buffers as built. In one process the engines load the trainer's gathered weights (trainer.gathered,
-    as the engines hold them; an fp32 body is not copied). Under torchrun trainer rank 0 packs the gathered tensors
-    into --sync_bucket_mb buckets, one in flight while the next is packed, and a generator receives one bucket at a
-    time (pipeline_rl.buckets); the PyTorch engine loads each as it lands, vLLM takes the whole version at once."""
+    as the engines hold them; an fp32 body is not copied). Under torchrun trainer rank 0 casts the weights into two
+    reused --sync_bucket_mb buffers, one in flight while the other is packed, beside one FSDP2-gathered parameter; a
+    generator's PyTorch engine receives each bucket straight into its parameters, vLLM (and a PPO-off-policy version
+    that is not loaded) into one reused bucket buffer (pipeline_rl.receive_weights)."""
     P, _, _, b, _ = sizes(cfg, shape)
     model = engine_rows(cfg, shape, 0)["engine weights"]
     if world == 1:
@@ -100,7 +101,7 @@ def sync_rows(cfg, shape, world):
     bucket = min(cfg.sync_bucket_mb * 2 ** 20, model)
     largest = max(shape[6] * shape[1], 3 * shape[1] * shape[2]) * b  # a gathered embedding, or a layer's MLP
     return {"trainer 0": {"weight-sync buffers": 2 * bucket + largest},
-            "generator": {"weight-sync buffers": bucket + model * (cfg.engine == "vllm")}}
+            "generator": {"weight-sync buffers": bucket * (cfg.engine == "vllm" or cfg.off_policy == "ppo")}}
 
 
 def columns(cfg, shape, world, T, seq):
@@ -151,9 +152,10 @@ def memory_lines(cfg, shape, world, T, seq, flight):
             f"a generator's holds {kv / full:.0f} (vLLM's {VLLM_SHARE:.0%} less weights and sync buffers) of its "
             f"{flight}\n    completions in flight; vLLM pages the cache, queues the rest" if world > 1 and
             cfg.engine == "vllm" else f"each engine allocates --slots={cfg.slots}"),
-        "  weight sync: " + (f"{cfg.sync_bucket_mb:,} MB buckets, two on trainer 0 (one packed, one in flight), one "
-                              "on a generator" + (" (vLLM also gathers the whole version)" if cfg.engine == "vllm"
-                                                 else "") if world > 1 else "the engines load the gathered weights")]
+        "  weight sync: " + (f"{cfg.sync_bucket_mb:,} MB buckets, two on trainer 0 (one packed, one in flight); a "
+                              "generator " + ("receives one at a time" if cfg.engine == "vllm" or cfg.off_policy == "ppo"
+                                              else "receives them into its engine's parameters")
+                              if world > 1 else "the engines load the gathered weights")]
 
 
 def plan(cfg):
