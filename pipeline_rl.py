@@ -142,34 +142,58 @@ class Engine:
 
 class SlotCache:
     """Per-layer KV buffers (slots, kv_heads, max_len, head_dim), the model's attention code's only contact: `update`
-    writes keys/values of `rows` at positions `at` in place, returns their history up to `upto` (views for a range)."""
+    writes keys/values of `rows` at positions `qpos` in place, returns their history up to `upto` (views for a
+    range of slots). `place` sets them for the next forward."""
     def __init__(self, n_layers, slots, kv_heads, max_len, head_dim, dtype, device="cpu"):
         shape = (slots, kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.rows, self.at, self.upto = slice(None), None, 0
 
+    def place(self, idx, qpos, upto, rows):  # slots idx (R,) at qpos (R, n); rows: idx, or a slice of slots (views)
+        H, M = self.k[0].shape[1], self.k[0].shape[2]  # a write's rows in the buffers seen as (slots*H*M, head_dim)
+        heads = torch.arange(H, device=qpos.device)[None, :, None]
+        self.at = ((idx[:, None, None] * H + heads) * M + qpos[:, None, :]).reshape(-1)  # (R*H*n,)
+        self.rows, self.upto = rows, upto
+
     def update(self, k, v, layer_idx, *args, **kwargs):  # k, v: (R, kv_heads, n, head_dim)
         K, V = self.k[layer_idx], self.v[layer_idx]
-        K[self.at], V[self.at] = k.transpose(1, 2), v.transpose(1, 2)  # at = (rows (R, 1), :, positions (R, n))
+        K.view(-1, K.shape[-1]).index_copy_(0, self.at, k.reshape(-1, K.shape[-1]))  # one indexed row copy
+        V.view(-1, V.shape[-1]).index_copy_(0, self.at, v.reshape(-1, V.shape[-1]))
         return K[self.rows, :, :self.upto], V[self.rows, :, :self.upto]
 
-    def copy_slot(self, src, dst, n):
+    def copy_slot(self, src, dst, n):  # the first n positions of slot(s) src into slot(s) dst (a list: all at once)
         for K, V in zip(self.k, self.v):
             K[dst, :, :n], V[dst, :, :n] = K[src, :, :n], V[src, :, :n]
 
 
+def decode_attention(query, key, value, mask, scaling):
+    """One query token per row, (R, H, 1, D), against keys and values (R, KV, T, D) (GQA: H = KV * G) under an
+    additive mask (R, 1, 1, T) -> (R, 1, H, D). Reading the keys and values is the whole cost (the fp32 KV cache comes
+    from memory, not cache); two batched matmuls read them faster than SDPA's flash kernel does for one query."""
+    R, H, _, D = query.shape
+    q = query.view(R, key.shape[1], H // key.shape[1], D)                        # (R, KV, G, D)
+    w = torch.softmax(torch.matmul(q, key.transpose(-1, -2)) * scaling + mask, -1)  # (R, KV, G, T)
+    return torch.matmul(w, value).view(R, 1, H, D)
+
+
 def slot_attention(module, query, key, value, attention_mask, horizon=None, **kwargs):
-    """The engine's attention (a `transformers` attention interface): its SDPA, except that in a decode step
-    `horizon` = (T, rows) has every row read keys up to T only, and `rows`, the few longer ones, again in full. Reading
-    keys is a large part of a step, and a slot past its interruption phrase must not make all read as far."""
+    """The engine's attention (a `transformers` attention interface): its SDPA for prefills and phrase writes; in a
+    decode step `decode_attention` (fp32 on a CPU; else SDPA), where `horizon` = (T, rows) has every row read keys up
+    to T only, and `rows`, the few longer ones, again in full. Reading keys is most of a step, and a slot past its
+    interruption phrase must not make all read as far."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward as sdpa
-    if horizon is None:
+    if query.shape[2] > 1 or kwargs.get("sliding_window") or kwargs.get("softcap"):
         return sdpa(module, query, key, value, attention_mask, **kwargs)
-    T, rows = horizon
-    out = sdpa(module, query, key[:, :, :T], value[:, :, :T], attention_mask[..., :T], **kwargs)[0]
+    if query.dtype == torch.float32 and query.device.type == "cpu":  # (in bf16 SDPA's fp32 softmax matters; on a GPU
+        scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5   # its kernels are the fast ones)
+        attend = lambda q, k, v, m: decode_attention(q, k, v, m, scaling)  # noqa: E731
+    else:
+        attend = lambda q, k, v, m: sdpa(module, q, k, v, m, **kwargs)[0]  # noqa: E731
+    T, rows = horizon or (key.shape[2], [])
+    out = attend(query, key[:, :, :T], value[:, :, :T], attention_mask[..., :T])
     if len(rows):
-        out[rows] = sdpa(module, query[rows], key[rows], value[rows], attention_mask[rows], **kwargs)[0]
+        out[rows] = attend(query[rows], key[rows], value[rows], attention_mask[rows])
     return out, None
 
 
@@ -235,20 +259,22 @@ class TorchEngine(Engine):
         self._advance(range(len(runs)), hidden[:, -1], done)
         return done
 
-    def _compact(self):  # the running completions into the lowest slots (a KV copy each): a step decodes only those
-        runs = [run for run in self.slots if run is not None]
-        for hole, i in zip([i for i in range(len(runs)) if self.slots[i] is None],
-                           [i for i in range(len(runs), len(self.slots)) if self.slots[i] is not None]):
-            self.cache.copy_slot(i, hole, self.slots[i].length)
-            self.slots[hole], self.slots[i] = self.slots[i], None
+    def _compact(self):  # the running completions into the lowest slots (one KV copy per layer): a step decodes only
+        runs = [run for run in self.slots if run is not None]  # those
+        moves = list(zip([i for i in range(len(runs)) if self.slots[i] is None],
+                         [i for i in range(len(runs), len(self.slots)) if self.slots[i] is not None]))
+        if moves:
+            holes, src = zip(*moves)
+            self.cache.copy_slot(list(src), list(holes), max(self.slots[i].length for i in src))
+            for hole, i in moves:
+                self.slots[hole], self.slots[i] = self.slots[i], None
         return self.slots[:len(runs)]
 
     def _forward(self, rows, tokens, pos):  # tokens (R, n) of slots `rows` at pos (R,) + arange(n) -> (R, n, H)
         n, dev = len(tokens[0]), self.device
         idx = torch.tensor(rows, device=dev)
         qpos = torch.tensor(pos, device=dev)[:, None] + torch.arange(n, device=dev)  # (R, n)
-        self.cache.rows = slice(rows.start, rows.stop) if isinstance(rows, range) else idx  # a range: views, no copy
-        self.cache.at, self.cache.upto = (idx[:, None], slice(None), qpos), max(pos) + n
+        self.cache.place(idx, qpos, max(pos) + n, slice(rows.start, rows.stop) if isinstance(rows, range) else idx)
         dtype = self.cache.k[0].dtype
         allowed = torch.arange(self.cache.upto, device=dev) <= qpos[:, :, None]             # (R, n, upto)
         mask = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]         # (R, 1, n, upto)
@@ -289,10 +315,9 @@ class TorchEngine(Engine):
             for s, h, p in zip(new, out, prompts):
                 s[0][2], s[2] = h[len(p) - 1], s[1][0]  # the prompt's last hidden state: the group's rest reuses it
             self.stats["prefills"] += len(new)
-        for entry, take, sibling in starts:
-            for i in take:
-                if i != sibling:
-                    self.cache.copy_slot(sibling, i, len(entry[0].prompt_tokens))
+        for entry, take, sibling in starts:  # the prompt's KV into the group's other new slots, one copy per layer
+            if [i for i in take if i != sibling]:
+                self.cache.copy_slot(sibling, [i for i in take if i != sibling], len(entry[0].prompt_tokens))
         if starts:
             self._advance([i for s in starts for i in s[1]], torch.stack([s[0][2] for s in starts for _ in s[1]]), done)
 
