@@ -904,12 +904,19 @@ class VLLMEngine(Engine):
     `step()` is one vLLM engine step, one request per completion (seeded from `rng`, prompt as token ids). Behaviour
     logprobs are vLLM's "processed_logprobs" (after temperature) with the LM head in FP32 (Sec. 3.2). In-flight
     updates load the weights in place between engine steps (Sec. 3.1), a bucket at a time, through vLLM's own loader
-    in its worker (`load_in_worker`; no file): running requests keep their KV cache; prefix caching is off, so no new
-    request reuses KV of older weights. At the thinking budget (App. A.10) a request is resubmitted with the phrase,
-    its KV recomputed. Under torchrun (generator ranks) the engine core runs in a child process, away from the job's
-    torch.distributed world, and the buckets reach it as bytes over vLLM's RPC. vLLM starts from dummy weights, then
-    the model's. `self.model` is a meta-device copy (names, shapes, dtypes); vLLM's start-up side effects are undone."""
-    def __init__(self, model, *, slots, head_dtype=torch.float32, seed=0, gpu_share=0.9, **rules):
+    in its worker (`load_in_worker`; no file): running requests keep their KV cache. Prefix caching is on (a group's
+    completions share their prompt's blocks; a resubmitted request its own), but every request carries the policy
+    version it was submitted under as vLLM's cache salt, which is part of every block's hash: a request hits only
+    blocks of requests submitted under the same version, so no request submitted after an update starts from KV
+    computed before it. (vLLM 0.32 resets its prefix cache only with no request running, or by recomputing every
+    running one's KV, and an in-flight update keeps them.) At the thinking budget (App. A.10) a request is
+    resubmitted with the phrase, its KV recomputed. Under torchrun (generator ranks; `child`) the engine core runs in
+    a child process, away from the job's torch.distributed world, and the buckets reach it as bytes over vLLM's RPC.
+    That core steps on its own, ahead of our `step()`: a weight load pauses it after its current step (requests and
+    KV kept) until our next `step()`, and every step's output carries the version of the weights that ran it (vLLM's
+    weight_version stamp), which its tokens are recorded with. vLLM starts from dummy weights, then the model's.
+    `self.model` is a meta-device copy (names, shapes, dtypes); vLLM's start-up side effects are undone."""
+    def __init__(self, model, *, slots, head_dtype=torch.float32, seed=0, gpu_share=0.9, child=None, **rules):
         import atexit
         import shutil
         import tempfile
@@ -918,7 +925,7 @@ class VLLMEngine(Engine):
         super().__init__(seed=seed, **rules)
         if 0 < self.temperature < 0.01:  # vLLM would raise it to 0.01, and the behaviour logprobs with it
             raise ValueError(f"temperature {self.temperature} is below vLLM's floor 0.01; use 0 (greedy) or >= 0.01")
-        self.child = dist.is_initialized() and dist.get_world_size() > 1
+        self.child = dist.is_initialized() and dist.get_world_size() > 1 if child is None else child
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.child else "0"
         if self.child:  # our loader function travels to the engine's process pickled (our own child: trusted)
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
@@ -928,7 +935,9 @@ class VLLMEngine(Engine):
             os.environ["CUDA_VISIBLE_DEVICES"] = ids[int(os.environ.get("LOCAL_RANK", 0))]
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         from vllm import EngineArgs, LLMEngine, SamplingParams
+        from vllm.envs import disable_envs_cache
         from vllm.sampling_params import RequestOutputKind
+        disable_envs_cache()  # an engine core in this process froze vLLM's view of the variables set above
         self.slots = slots
         self.params = partial(  # + max_tokens, seed. EOS is ours, not the config's (the tiny model's says 2)
             SamplingParams, temperature=self.temperature, logprobs=0, ignore_eos=True, stop_token_ids=[self.eos_id],
@@ -944,7 +953,7 @@ class VLLMEngine(Engine):
         self.llm = LLMEngine.from_engine_args(EngineArgs(
             model=self.dir, load_format="dummy", skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."),
             seed=seed, max_model_len=self.max_len, max_num_seqs=slots, async_scheduling=False,
-            enable_prefix_caching=False,
+            enable_prefix_caching=True,  # requests salted with their version (_submit)
             # a generator rank's GPU: vLLM sizes the KV cache from its share and captures CUDA graphs; else (CPU, or
             # beside the trainer in one process) --slots full-length sequences, eager
             **(dict(gpu_memory_utilization=gpu_share) if self.child and torch.cuda.is_available() else
@@ -966,6 +975,15 @@ class VLLMEngine(Engine):
             torch.device("cpu")  # where weight broadcasts land before they go to vLLM
         self.live = {}          # vLLM request id -> its Running completion
         self.rng = torch.Generator().manual_seed(seed)  # per-request sampling seeds
+        self.paused = False     # child: the engine core is paused for a weight load, until the next step()
+        self.stamp = stamp = [None]  # LLMEngine.step reads one output of the engine core, stamped with the weight
+        get_output = self.llm.engine_core.get_output  # version that ran its step: the version of its tokens
+
+        def stamped():
+            out = get_output()
+            stamp[0] = out.weight_version
+            return out
+        self.llm.engine_core.get_output = stamped
         self.load_weights(model, 0)
 
     busy = property(lambda self: bool(self.live))
@@ -980,25 +998,37 @@ class VLLMEngine(Engine):
     def load_weights(self, source, version):
         """In-flight update from `source`: a module, or {name: tensor} of some or all of the parameters (`transformers`
         names), each in the dtype vLLM holds it in. In one process the tensors go to vLLM's worker as they are; to a
-        child process as one byte string (vLLM's RPC carries bytes, not tensors inside a list)."""
+        child process as one byte string (vLLM's RPC carries bytes, not tensors inside a list). A child's engine core
+        is paused after its current step (its requests and KV kept) until the next `step()`, so the buckets of one
+        version all land before it steps again; outputs it made before are stamped with the version before."""
         named = dict(source.named_parameters()) if hasattr(source, "named_parameters") else source
         params = dict(self.model.named_parameters())
         pairs = [(n, t.detach().to(params[n].dtype)) for n, t in named.items()]
+        if self.child and not self.paused:  # returns once the core is idle ("keep": no request aborted, KV kept)
+            self.llm.engine_core.call_utility("pause_scheduler", "keep", False)
+            self.paused = True
         self.llm.collective_rpc(load_in_worker, args=(as_bytes(pairs) if self.child else pairs,))
+        self.llm.set_weight_version(str(version))  # the stamp of every later step's output
         self.version = version
 
     def step(self):
         """One vLLM engine step (prefills and one decode token per running request); return the finished groups."""
         if not self.live:
             return []
+        if self.paused:  # a child's engine core, paused for a weight load: all of it is in, the core steps again
+            self.llm.engine_core.call_utility("resume_scheduler")
+            self.paused = False
         outs = self.llm.step()
+        # A child's core may have sampled these tokens before the last load_weights: their version is the output's
+        # stamp (in one process the core steps inside llm.step(), so it is self.version)
+        version = self.version if self.stamp[0] is None else int(self.stamp[0])
         self.stats["decode_steps"] += 1
         done = []
         for out in outs:
             completion, run = out.outputs[0], self.live[out.request_id]
             self.stats["busy_slot_steps"] += bool(completion.token_ids)
             for token, lp in zip(completion.token_ids, completion.logprobs):  # one token per step (no async scheduling)
-                if self._advance(out.request_id, run, token, lp[token].logprob, done):
+                if self._advance(out.request_id, run, token, lp[token].logprob, done, version):
                     break  # finished or resubmitted
             if out.finished and self.live.get(out.request_id) is run:  # would wait forever: must not happen
                 raise RuntimeError(f"vLLM ended request {out.request_id} ({completion.finish_reason}) before the stop "
@@ -1008,13 +1038,15 @@ class VLLMEngine(Engine):
     def _submit(self, run, max_tokens):
         s, rid = run.sample, f"{run.sample.group}-{self.stats['prefills']}"  # one prefill per request: ids are unique
         seed = int(torch.randint(2 ** 31, (1,), generator=self.rng))
-        self.llm.add_request(rid, dict(type="token", prompt_token_ids=s.prompt_tokens + s.tokens),
+        self.llm.add_request(rid, dict(type="token", prompt_token_ids=s.prompt_tokens + s.tokens,
+                                       cache_salt=f"v{self.version}"),  # prefix cache hits in its version only
                              self.params(max_tokens=max_tokens, seed=seed))
         self.live[rid] = run
         self.stats["prefills"] += 1
 
-    def _advance(self, rid, run, token, logp, done):  # one token through the stop rules; True if the request ended
+    def _advance(self, rid, run, token, logp, done, version):  # one token through the stop rules; True if it ended
         what = self._take(run, token, logp)
+        run.sample.versions[-1] = version  # the version that sampled it (a forced phrase gets self.version)
         if what is None:
             return False
         self.llm.abort_request([rid])  # a no-op where vLLM stopped it already (EOS, max_tokens)

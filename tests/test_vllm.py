@@ -6,8 +6,10 @@ peaked as in training. Each engine starts in a few seconds after a ~10 s import 
 Run: python -m pytest tests/test_vllm.py -q      (the two slow tests run scalerl.py with --engine vllm: minutes)
 """
 from dataclasses import replace
+from functools import partialmethod
 import json
 import random
+import time
 
 import pytest
 import torch
@@ -102,13 +104,36 @@ def test_same_seed_same_samples(tiny):
     assert [s.tokens for g in a for s in g] == [s.tokens for g in b for s in g]
 
 
-def test_in_flight_update_keeps_kv_and_uses_new_weights(tiny):
-    model, tok, cfg = tiny
+def perturbed(model, tok):
     new = copy_of(model, tok)
     torch.manual_seed(0)
     with torch.no_grad():
         for p in new.parameters():
             p.add_(0.05 * torch.randn_like(p))
+    return new
+
+
+def assert_old_kv_then_new_weights(model, new, s):
+    """A completion that crossed an in-flight update: tokens 0..a-1 recorded as version 0 and sampled with the old
+    weights, a.. as version 1 and sampled with the new ones on the old weights' KV cache."""
+    a = s.versions.index(1)
+    assert s.versions == [0] * a + [1] * (len(s.tokens) - a) and not any(s.forced)
+    # Reference: the old weights' KV cache for the prompt and the first a-1 tokens (the last old token is fed to
+    # the model after the update), the new weights from there on: what an in-flight update computes.
+    P, ids = len(s.prompt_tokens), torch.tensor([s.prompt_tokens + s.tokens])
+    with torch.no_grad():
+        cache = model.model(input_ids=ids[:, :P + a - 1], use_cache=True).past_key_values
+        h = new.model(input_ids=ids[:, P + a - 1:-1], past_key_values=cache, use_cache=True).last_hidden_state
+    ref = losses.head_logprobs(h, new.lm_head.weight, ids[:, P + a:])[0]
+    got = torch.tensor(s.logprobs[a:])
+    assert (ref - got).abs().max() < 5e-5, (ref - got).abs().max()  # measured: 2.9e-6
+    assert (trainer_logprobs(model, s)[a:] - got).abs().max() > 1e-2  # not the old weights' (measured: >= 0.87)
+    assert (trainer_logprobs(model, s)[:a] - torch.tensor(s.logprobs[:a])).abs().max() < 5e-5
+
+
+def test_in_flight_update_keeps_kv_and_uses_new_weights(tiny):
+    model, tok, cfg = tiny
+    new = perturbed(model, tok)
     eng = vllm_engine(model, tok, cfg, interrupt=False, think_min=40, think_max=40, slots=64)
     ts = templates(tok, 8)
     for t in ts:
@@ -124,19 +149,79 @@ def test_in_flight_update_keeps_kv_and_uses_new_weights(tiny):
     crossed = [s for s in samples if s.versions[0] == 0 and s.versions[-1] == 1]
     assert len(crossed) >= 16, [s.versions for s in samples]
     for s in crossed:
-        a = s.versions.index(1)  # tokens 0..a-1 sampled with the old weights, a.. with the new
-        assert s.versions == [0] * a + [1] * (len(s.tokens) - a) and not any(s.forced)
-        # Reference: the old weights' KV cache for the prompt and the first a-1 tokens (the last old token is fed to
-        # the model after the update), the new weights from there on: what an in-flight update computes.
-        P, ids = len(s.prompt_tokens), torch.tensor([s.prompt_tokens + s.tokens])
-        with torch.no_grad():
-            cache = model.model(input_ids=ids[:, :P + a - 1], use_cache=True).past_key_values
-            h = new.model(input_ids=ids[:, P + a - 1:-1], past_key_values=cache, use_cache=True).last_hidden_state
-        ref = losses.head_logprobs(h, new.lm_head.weight, ids[:, P + a:])[0]
-        got = torch.tensor(s.logprobs[a:])
-        assert (ref - got).abs().max() < 5e-5, (ref - got).abs().max()  # measured: 2.9e-6
-        assert (trainer_logprobs(model, s)[a:] - got).abs().max() > 1e-2  # not the old weights' (measured: >= 0.87)
-        assert (trainer_logprobs(model, s)[:a] - torch.tensor(s.logprobs[:a])).abs().max() < 5e-5
+        assert_old_kv_then_new_weights(model, new, s)
+
+
+def test_child_process_engine_records_the_version_that_sampled_each_token(tiny, monkeypatch):
+    """Under torchrun the engine core is a child process that steps on its own, ahead of our step(): outputs read
+    after a weight load may have been sampled before it. Each token carries the version of the weights that sampled
+    it (vLLM's weight_version stamp; the core is paused across the load, its requests and KV kept)."""
+    model, tok, cfg = tiny
+    new = perturbed(model, tok)
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)  # the engine sets it; restored after
+    monkeypatch.setattr(pipeline_rl.VLLMEngine, "__init__",  # child=True: what a torchrun rank gets
+                        partialmethod(pipeline_rl.VLLMEngine.__init__, child=True))
+    eng = vllm_engine(model, tok, cfg, interrupt=False, think_min=40, think_max=40, slots=64)
+    assert eng.child
+    for t in templates(tok, 8):
+        eng.add(t, 4)
+    done = []
+    for _ in range(4):
+        done += eng.step()
+    ahead, until = eng.llm.engine_core.outputs_queue, time.time() + 30  # the core's outputs we have not read yet
+    while ahead.qsize() < 3 and time.time() < until:
+        time.sleep(0.001)
+    read = {id(r.sample): len(r.sample.tokens) for r in eng.live.values()}  # tokens read before the update
+    eng.load_weights(new, 1)
+    while eng.busy:
+        done += eng.step()
+    samples = [s for g in done for s in g]
+    assert len(samples) == 32 and eng.version == 1
+    # tokens the core sampled before the update and our step() read after it: recorded as version 0
+    assert sum(s.versions.count(0) > read.get(id(s), len(s.tokens)) for s in samples) >= 16
+    crossed = [s for s in samples if s.versions[0] == 0 and s.versions[-1] == 1]
+    assert len(crossed) >= 16, [s.versions for s in samples]
+    for s in crossed:
+        assert_old_kv_then_new_weights(model, new, s)
+
+
+def test_prefix_cache_hits_only_blocks_of_the_same_policy_version(tiny):
+    """Prefix caching is on, each request salted with the version it was submitted under: a group after another
+    with the same prompt reuses its full blocks; after an update the same prompt hits nothing of the old version
+    and its behaviour logprobs are the new weights' (then its own version's blocks are reused again)."""
+    model, tok, cfg = tiny
+    new = perturbed(model, tok)
+    eng = vllm_engine(model, tok, cfg, interrupt=False, think_min=8, think_max=8, max_prompt=300)
+    bs = eng.llm.vllm_config.cache_config.block_size  # 128 on CPU, 16 on CUDA
+    question = data.format_prompt(data.arith_problems(1, seed=1)[0].question, tok)
+    prompt = (data.encode(tok, "1+1=2 " * 300) + data.encode(tok, question))[-(2 * bs + 8):]  # 2 full blocks + 8
+    assert len(prompt) <= 300
+    cached, step = {}, eng.llm.step
+
+    def spy():  # vLLM's public per-request count of prompt tokens served from the prefix cache
+        outs = step()
+        for o in outs:
+            cached.setdefault(o.request_id, o.num_cached_tokens)
+        return outs
+    eng.llm.step = spy
+
+    def group(g, n=4):
+        seen = set(cached)
+        samples = eng.generate([pipeline_rl.Sample(0, g, prompt)], n)[0]
+        return samples, [c for r, c in cached.items() if r not in seen]
+    full = (len(prompt) - 1) // bs * bs  # vLLM recomputes at least the last prompt token
+    first, _ = group(0)
+    again, hits = group(1)
+    assert hits == [full] * 4 and full >= 2 * bs, hits
+    assert free_error(model, first + again) < 5e-5
+    eng.load_weights(new, 1)
+    after, hits = group(2)
+    assert hits[0] == 0 and set(hits) <= {0, full}, hits  # siblings may share the new version's blocks
+    assert free_error(new, after) < 5e-5
+    assert all(set(s.versions) == {1} for s in after)
+    later, hits = group(3)
+    assert hits == [full] * 4, hits
+    assert free_error(new, later) < 5e-5
 
 
 def test_forced_interruption_is_masked_and_answer_budget_holds(tiny):
