@@ -80,7 +80,7 @@ def main():
         staging = pipeline_rl.Staging()  # reused by every update, as in run_generator
         for v in range(1, args.repeats + 1):
             while pipeline_rl.counter(job, "version") < v:
-                pass  # (a sleep here would time the poll, not the update)
+                time.sleep(1e-4)  # (a longer sleep would time the poll, not the update)
             pipeline_rl.receive_weights(job, engine, v, bucket, staging=staging)
         peak = rss_mb("VmHWM") - base
     dist.barrier()
