@@ -6,7 +6,7 @@ group gets rewards 1, 0, 1, 0, ... so every group is kept (the most work a batch
 a fresh copy of the model on the same batches, `--steps` steps after one warm-up step; tokens/s is the batches'
 completion tokens over the steps' wall time, as the progress line's `train ... tok/s`.
 
-Run: `python bench/trainer.py` (about a minute on 2 CPU cores); `--threads 1,2` is the default.
+Run: `python bench/train_step.py` (about a minute on 2 CPU cores); `--threads 1,2` is the default.
 """
 import argparse
 import copy
