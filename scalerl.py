@@ -56,7 +56,9 @@ from trainer import fail, print0
 class Config:
     # run
     out_dir: str = "out/tiny"          # run directory: config.json, metrics.jsonl, ckpt.pt, curve.png
-    seed: int = 0                      # seeds model init, curriculum, sampling
+    seed: int = 0                      # seeds the task and held-out set, model init, warm start, and (rl_seed -1) RL
+    rl_seed: int = -1                  # seeds RL alone (curriculum order, sampling, evaluation draws); -1: --seed.
+                                       # Varying it keeps the task, held-out set and starting model: seed noise
     max_steps: int = 150               # optimizer steps of RL
     eval_every: int = 10               # held-out eval every N steps (and at step 0 and the end)
     eval_prompts: int = 96             # held-out prompts per eval (never trained on)
@@ -273,6 +275,8 @@ def validate(cfg):
     for k in ("sft_steps", "warmup_steps", "decode_per_step", "threads", "gen_ranks"):
         if getattr(cfg, k) < 0:
             fail(f"--{k} must be >= 0, got {getattr(cfg, k)}")
+    if cfg.rl_seed < -1:
+        fail(f"--rl_seed must be >= 0, or -1 for --seed's, got {cfg.rl_seed}")
     for k in ("lr", "temperature", "eps_max", "grad_clip", "dist_timeout"):
         if not getattr(cfg, k) > 0:
             fail(f"--{k} must be > 0, got {getattr(cfg, k)}")
@@ -324,6 +328,9 @@ def main(cfg):
     if job.rank == 0 and not resume_point and cfg.model == "tiny":
         trainer.warm_start(cfg, model, tok, os.path.dirname(os.path.normpath(cfg.out_dir)) or ".")
     took["warm_start"] = time.time() - t_warm
+    seed = rl_seed(cfg)  # from here on RL's own randomness
+    if cfg.rl_seed >= 0:
+        random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
     if ckpt:  # resuming: the checkpoint's weights replace the warm start (or the hub's weights)
         trainer.load_weights(model, ckpt, cfg.out_dir)
     if resume_point or cfg.model == "tiny":
@@ -334,9 +341,9 @@ def main(cfg):
     rollouts = None  # the generating side, in one process and on generator ranks (each its share of the prompts)
     if job.world == 1 or job.rank in job.generators:
         share = train if job.world == 1 else train[job.generators.index(job.rank)::len(job.generators)]
-        pool = data.make_pool(share, tasks, cfg.code_frac, seed=cfg.seed, npr=cfg.npr,
+        pool = data.make_pool(share, tasks, cfg.code_frac, seed=seed, npr=cfg.npr,
                               npr_threshold=cfg.npr_threshold, zero_var=cfg.zero_var_filter)
-        rollouts = pipeline_rl.Rollouts(make_engine(cfg, model, tok, cfg.seed + job.rank, device), pool, tok,
+        rollouts = pipeline_rl.Rollouts(make_engine(cfg, model, tok, seed + job.rank, device), pool, tok,
                                         cfg.max_prompt)
     if job.rank in job.generators:  # a generator rank's whole job (its fp32 model goes: the engine has a copy)
         del model
@@ -344,7 +351,7 @@ def main(cfg):
 
     # -- the trainer: policy (FSDP2 over several trainer ranks), optimizer, batch source, held-out evaluation ---------
     if job.world == 1:  # held-out prompts through the same guard as training prompts; under torchrun the generators
-        eval_engine = make_engine(cfg, model, tok, cfg.seed + 1)  # evaluate, each its share
+        eval_engine = make_engine(cfg, model, tok, seed + 1)  # evaluate, each its share
         held_out = held_out_templates(rollouts, val)
     policy, opt, body_dtype = build_policy(cfg, job, model, tok)
     source = pipeline_rl.Scheduler(rollouts, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
@@ -359,11 +366,11 @@ def main(cfg):
 
     def evaluate_now(weights):  # held-out pass rate, logged (rank 0), not on the compute axis
         if job.world > 1:  # the generator ranks evaluate this version when they have it, the trainer goes on
-            source.ask_eval(source.version, cfg.seed + 7919 * step, dict(step=step, **clock))
+            source.ask_eval(source.version, seed + 7919 * step, dict(step=step, **clock))
             return "held-out evaluation asked of the generator ranks"
         te = time.time()
         eval_engine.load_weights(weights, source.version)
-        pr = evaluate(eval_engine, rollouts, held_out, cfg.eval_samples, cfg.seed + 7919 * step, tasks, step == 0)
+        pr = evaluate(eval_engine, rollouts, held_out, cfg.eval_samples, seed + 7919 * step, tasks, step == 0)
         log(dict(step=step, **clock, **pr, eval=True))
         took["evaluation"] += time.time() - te
         return held_out_line(pr, tasks)
@@ -539,6 +546,10 @@ def load_model(cfg, tasks):
 # Engines and evaluation
 
 
+def rl_seed(cfg):
+    return cfg.seed if cfg.rl_seed < 0 else cfg.rl_seed
+
+
 def make_engine(cfg, model, tok, seed, device=None):
     """A generation engine (--engine): its own copy of `model` in the body dtype, the run's budgets and sampling."""
     engine_cls = pipeline_rl.VLLMEngine if cfg.engine == "vllm" else pipeline_rl.TorchEngine
@@ -631,10 +642,10 @@ def evaluate_or_export(cfg):
         path = trainer.export_hf(cfg, model, tok, model.state_dict())
         return print(f"policy at step {ckpt['step']} written to {path}")
     model.to("cuda" if torch.cuda.is_available() else "cpu")
-    step, engine = ckpt["step"] if ckpt else 0, make_engine(cfg, model, tok, cfg.seed + 1)
+    step, engine = ckpt["step"] if ckpt else 0, make_engine(cfg, model, tok, rl_seed(cfg) + 1)
     scorer = pipeline_rl.Rollouts(engine, None, tok, cfg.max_prompt)
     t0 = time.time()
-    pr = evaluate(engine, scorer, held_out_templates(scorer, val), cfg.eval_samples, cfg.seed + 7919 * step, tasks,
+    pr = evaluate(engine, scorer, held_out_templates(scorer, val), cfg.eval_samples, rl_seed(cfg) + 7919 * step, tasks,
                   progress=True)
     row = dict(step=step, model=cfg.model if not ckpt else ckpt_path, **pr, eval_samples=cfg.eval_samples,
                time=time.strftime("%Y-%m-%d %H:%M:%S"))

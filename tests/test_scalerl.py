@@ -52,6 +52,7 @@ BAD = [  # (argv, text the single error line must contain)
     (["--micro_batch_tokens=-1"], "--micro_batch_tokens"),
     (["--sft_steps=-1"], "--sft_steps"),
     (["--threads=-1"], "--threads"),
+    (["--rl_seed=-2"], "--rl_seed"),
     (["--lr=0"], "--lr"),
     (["--lr=-1e-3"], "--lr"),
     (["--lr=nan"], "--lr"),
@@ -234,6 +235,24 @@ def test_resume_continues_the_log(runs, smoke_run):
         assert r["lr"] == pytest.approx(cfg.lr * min(1.0, r["step"] / max(cfg.warmup_steps, 1)))
     ck = torch.load(out / "ckpt.pt", weights_only=True)
     assert ck["step"] == 4 and ck["version"] == 4
+
+
+@pytest.mark.slow
+def test_rl_seed_varies_rl_alone(runs, smoke_run):
+    """--rl_seed reseeds what RL draws (curriculum order, sampling, evaluation draws) and nothing the run starts from:
+    the same warm start is loaded; --rl_seed equal to --seed is the default run, row for row."""
+    timing = {"dt", "device_hours", "cpu_hours", "gen_tok_s", "train_tok_s", "gen_busy", "train_busy", "sync_s"}
+    strip = lambda path: [{k: v for k, v in r.items() if k not in timing} for r in read_jsonl(path)]  # noqa: E731
+    loaded = set()
+    for s in (0, 1):
+        p = run(f"--out_dir={runs / f'rl_seed{s}'}", f"--rl_seed={s}")
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        loaded |= {line for line in p.stdout.splitlines() if line.startswith("warm start: loaded")}
+    assert len(loaded) == 1  # both from the smoke run's warm start
+    base = strip(smoke_run[0] / "metrics.jsonl")
+    assert strip(runs / "rl_seed0" / "metrics.jsonl") == base
+    other = strip(runs / "rl_seed1" / "metrics.jsonl")
+    assert len(other) == len(base) and other != base
 
 
 @pytest.mark.slow
