@@ -29,6 +29,17 @@ def test_launch_skip_resume_and_report(tmp_path):
     assert open(tmp_path / "scalerl" / "metrics.jsonl").read() == before
 
 
+@pytest.mark.slow
+def test_a_two_process_run_goes_through_torchrun(tmp_path):
+    """The off-policy comparison where generation and training overlap: a generator rank and a trainer rank."""
+    p = ablations(tmp_path, "--only", "pipeline_2proc", *SMOKE)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "torch.distributed.run --standalone --nproc_per_node=2" in p.stdout
+    log = open(tmp_path / "pipeline_2proc" / "stdout.log").read()
+    assert "torchrun: 2 ranks | trainer ranks [0] | generator ranks [1]" in log, log[-2000:]
+    assert os.path.exists(tmp_path / "pipeline_2proc" / "ckpt.pt") and os.path.exists(tmp_path / "results.md")
+
+
 def test_unknown_run_is_refused(tmp_path):
     p = ablations(tmp_path, "--only", "scalerl,nonsense")
     assert p.returncode == 2 and "unknown run(s) nonsense" in p.stderr
