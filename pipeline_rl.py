@@ -210,9 +210,9 @@ class TorchEngine(Engine):
         self.flat = {}  # dtype -> the parameters of that dtype, in order, as views of one tensor: a weight bucket
         for dt in {p.dtype for p in model.parameters()}:  # (consecutive parameters of one dtype) lands in place
             ps = [p for p in model.parameters() if p.dtype == dt]
-            self.flat[dt] = torch.cat([p.detach().reshape(-1) for p in ps])
-            for p, x in zip(ps, self.flat[dt].split([p.numel() for p in ps])):
-                p.data = x.view_as(p)
+            self.flat[dt] = torch.empty(sum(p.numel() for p in ps), dtype=dt, device=self.device)
+            for p, x in zip(ps, self.flat[dt].split([p.numel() for p in ps])):  # one parameter at a time: never two
+                p.data = x.view_as(p).copy_(p.detach())                          # copies of the model
         if cfg._attn_implementation == "sdpa":  # ours is that SDPA plus horizons; others (eager, flash...) stay
             AttentionInterface.register("scalerl_slots", slot_attention)
             model.set_attn_implementation("scalerl_slots")
@@ -659,7 +659,7 @@ class Staging:
         self.bufs = {}
 
     def __call__(self, i, run, device):  # buffer i's first bytes as one flat tensor of the bucket's numel and dtype
-        numel, dtype = sum(t.numel() for _, t, _ in run), run[0][2]
+        numel, dtype, device = sum(t.numel() for _, t, _ in run), run[0][2], torch.empty(0, device=device).device
         buf = self.bufs.get(i)
         if buf is None or buf.numel() < numel * dtype.itemsize or buf.device != device:
             self.bufs[i] = buf = None  # (the old one goes first)
@@ -723,7 +723,8 @@ class TrainerLink(BatchSource):
         counter(self.job, "version", 1)  # the generators join this version's broadcasts
         for i, run in enumerate(buckets(weights, self.bucket_bytes)):
             if len(run) == 1 and run[0][1].numel() * run[0][2].itemsize > self.bucket_bytes:
-                flat = run[0][1].reshape(-1).to(run[0][2])  # larger than a bucket: sent as it is (no buffer that big)
+                flat = run[0][1].reshape(-1).to(run[0][2], copy=True)  # larger than a bucket: a copy of its own
+                # (no buffer that big; never the live parameter, which the next step changes while this is in flight)
             else:
                 flat = self.staging(i % 2, run, run[0][1].device)  # the buffer broadcast i - 2 sent from has landed
                 for x, (_, t, _) in zip(flat.split([t.numel() for _, t, _ in run]), run):
@@ -1008,8 +1009,17 @@ class VLLMEngine(Engine):
             self.llm.engine_core.call_utility("pause_scheduler", "keep", False)
             self.paused = True
         self.llm.collective_rpc(load_in_worker, args=(as_bytes(pairs) if self.child else pairs,))
-        self.llm.set_weight_version(str(version))  # the stamp of every later step's output
         self.version = version
+
+    @property
+    def version(self):
+        return self._version
+
+    @version.setter
+    def version(self, v):  # also vLLM's stamp of every later step's output (a resume sets it without a load)
+        self._version = v
+        if hasattr(self, "llm"):
+            self.llm.set_weight_version(str(v))
 
     def step(self):
         """One vLLM engine step (prefills and one decode token per running request); return the finished groups."""

@@ -236,8 +236,9 @@ def restore_options(cfg, path, given):
             saved = {k: v for k, v in json.load(f)["config"].items() if k in asdict(cfg)}
     except (OSError, ValueError, KeyError, TypeError) as e:
         fail(f"{path} is unreadable ({type(e).__name__}); restore it, or start a fresh --out_dir")
+    saved = {**asdict(Config()), **saved}  # an option newer than the run: the run had its default
     for key, val in given.items():
-        if key not in RESUMABLE and key in saved and saved[key] != val:
+        if key not in RESUMABLE and saved[key] != val:
             fail(f"--{key}={val} does not fit this run (it was started with {saved[key]!r}, {path}); a resumed run "
                  f"may change only {', '.join('--' + k for k in RESUMABLE if k != 'out_dir')}; start a fresh "
                  "--out_dir to change it")

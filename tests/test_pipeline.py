@@ -327,6 +327,25 @@ def update_through_the_link(device):
         return (policy(ids, att) - gen_logp)[tmask.bool()].abs().mean().item()
 
 
+def test_a_tensor_larger_than_a_bucket_is_sent_from_a_copy():
+    """A bucket of one tensor over the limit goes as its own tensor, never the live parameter: the next optimizer step
+    changes the parameter while the broadcast may still be in flight."""
+    m = tiny_model(vocab=512)
+    policy = trainer.Policy(m, 1.0, torch.float32)
+    job = pipeline_rl.Dist(groups={"weights": pipeline_rl.local_group()}, store=torch.distributed.HashStore())
+    link = pipeline_rl.TrainerLink(job, k=1, batch_prompts=1, bucket_bytes=1 << 10)  # 1 KB: every matrix over it
+    sent = []
+    broadcast = torch.distributed.broadcast
+    try:
+        torch.distributed.broadcast = lambda t, **kw: (sent.append(t), broadcast(t, **kw))[1]
+        link.push_weights(trainer.weight_parts(policy, torch.float32))
+        link._land()
+    finally:
+        torch.distributed.broadcast = broadcast
+    live = {p.data_ptr() for p in m.parameters()}
+    assert len(sent) >= 5 and not live & {t.data_ptr() for t in sent}
+
+
 def test_a_weight_update_through_the_link_lands_in_the_engines_parameters():
     assert update_through_the_link("cpu") < 0.02  # bf16 body: the engine's decode against the trainer's forward
 

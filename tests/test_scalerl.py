@@ -100,6 +100,17 @@ def test_good_options_both_forms():
     assert cfg.zero_var_filter is True and cfg.max_steps == 3
 
 
+def test_an_option_newer_than_the_run_counts_as_its_default(tmp_path, capsys):
+    """A run started before --rl_seed existed ran with its default: --resume refuses another value, takes the same."""
+    saved = asdict(scalerl.Config())
+    del saved["rl_seed"]
+    (tmp_path / "config.json").write_text(json.dumps({"config": saved}))
+    with pytest.raises(SystemExit):
+        scalerl.restore_options(scalerl.Config(), tmp_path / "config.json", {"rl_seed": 1})
+    assert "--rl_seed=1 does not fit this run (it was started with -1" in capsys.readouterr().err
+    assert scalerl.restore_options(scalerl.Config(), tmp_path / "config.json", {"rl_seed": -1}).rl_seed == -1
+
+
 def test_preset_then_overrides():
     smoke = scalerl.PRESETS["smoke"]
     base = asdict(scalerl.Config())

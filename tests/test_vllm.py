@@ -185,6 +185,16 @@ def test_child_process_engine_records_the_version_that_sampled_each_token(tiny, 
         assert_old_kv_then_new_weights(model, new, s)
 
 
+def test_a_resumed_engine_records_the_version_it_was_given(tiny):
+    """A resume sets the engine's version without loading weights (the model already holds them): vLLM's stamp,
+    which sampled tokens are recorded with, follows."""
+    model, tok, cfg = tiny
+    eng = vllm_engine(model, tok, cfg)
+    eng.version = 7
+    samples = [s for g in eng.generate(templates(tok, 4), 2) for s in g]
+    assert {v for s in samples for v in s.versions} == {7}
+
+
 def test_prefix_cache_hits_only_blocks_of_the_same_policy_version(tiny):
     """Prefix caching is on, each request salted with the version it was submitted under: a group after another
     with the same prompt reuses its full blocks; after an update the same prompt hits nothing of the old version
