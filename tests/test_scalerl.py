@@ -111,6 +111,11 @@ def test_an_option_newer_than_the_run_counts_as_its_default(tmp_path, capsys):
     assert scalerl.restore_options(scalerl.Config(), tmp_path / "config.json", {"rl_seed": -1}).rl_seed == -1
 
 
+@pytest.mark.parametrize("preset", list(scalerl.PRESETS))
+def test_every_preset_passes_the_option_checks(preset):
+    scalerl.validate(scalerl.parse_args(["--config", preset]))
+
+
 def test_preset_then_overrides():
     smoke = scalerl.PRESETS["smoke"]
     base = asdict(scalerl.Config())
