@@ -108,15 +108,16 @@ class Engine:
         s = Sample(template.prompt_id, template.group, template.prompt_tokens, meta=template.meta)
         return Running(s, left=self.budget_rng.randint(*self.think_budget), length=length)
 
-    def _record(self, s, tokens, logprobs, forced):
+    def _record(self, s, tokens, logprobs, forced, version=None):  # version: of the weights that sampled them
         s.tokens += tokens
         s.logprobs += logprobs
-        s.versions += [self.version] * len(tokens)
+        s.versions += [self.version if version is None else version] * len(tokens)
         s.forced += [forced] * len(tokens)
         self.stats["tokens"] += len(tokens)
 
-    def _take(self, run, token, logp):  # record a sampled token; the stop rules: "done" (EOS, budget out), "interrupt"
-        self._record(run.sample, [token], [logp], False)
+    def _take(self, run, token, logp, version=None):
+        """Record a sampled token; the stop rules: "done" (EOS, budget out), "interrupt", or None."""
+        self._record(run.sample, [token], [logp], False, version)
         run.left -= 1
         if token == self.eos_id:
             return "done"
@@ -1055,8 +1056,7 @@ class VLLMEngine(Engine):
         self.stats["prefills"] += 1
 
     def _advance(self, rid, run, token, logp, done, version):  # one token through the stop rules; True if it ended
-        what = self._take(run, token, logp)
-        run.sample.versions[-1] = version  # the version that sampled it (a forced phrase gets self.version)
+        what = self._take(run, token, logp, version)  # (a forced phrase gets self.version)
         if what is None:
             return False
         self.llm.abort_request([rid])  # a no-op where vLLM stopped it already (EOS, max_tokens)

@@ -332,9 +332,7 @@ def main(cfg):
     if job.rank == 0 and not resume_point and cfg.model == "tiny":
         trainer.warm_start(cfg, model, tok, os.path.dirname(os.path.normpath(cfg.out_dir)) or ".")
     took["warm_start"] = time.time() - t_warm
-    seed = rl_seed(cfg)  # from here on RL's own randomness
-    if cfg.rl_seed >= 0:
-        random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
+    seed = rl_seed(cfg)  # from here on RL's own randomness (its draws use their own generators, seeded from it)
     if ckpt:  # resuming: the checkpoint's weights replace the warm start (or the hub's weights)
         trainer.load_weights(model, ckpt, cfg.out_dir)
     if resume_point or cfg.model == "tiny":

@@ -27,6 +27,10 @@ if ROOT not in sys.path:
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
+TIMING = {"dt", "device_hours", "cpu_hours", "gen_tok_s", "train_tok_s", "gen_busy", "train_busy",
+          "sync_s"}  # wall-clock fields of a metrics row: the rest of a run repeats exactly
+
+
 def scalerl_command(*args):
     """The real command line: `python scalerl.py ARGS`."""
     return [sys.executable, os.path.join(ROOT, "scalerl.py"), *args]

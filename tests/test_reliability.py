@@ -28,11 +28,8 @@ import data
 import pipeline_rl
 import scalerl
 import trainer
-from conftest import (ENV, ROOT, one_line_error, read_jsonl, run_command, scalerl_command, torchrun_command,
-                      tree_hashes)
-
-TIMING = {"dt", "device_hours", "cpu_hours", "gen_tok_s", "train_tok_s", "gen_busy", "train_busy",
-          "sync_s"}  # wall-clock fields
+from conftest import (ENV, ROOT, TIMING, one_line_error, read_jsonl, run_command, scalerl_command,
+                      torchrun_command, tree_hashes)
 
 
 def command(out, *args):

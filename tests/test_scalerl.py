@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import scalerl
-from conftest import one_line_error, read_jsonl, run_command, scalerl_command, tree_hashes
+from conftest import TIMING, one_line_error, read_jsonl, run_command, scalerl_command, tree_hashes
 
 METRIC_NAMES = {"step", "device_hours", "policy_version", "reward", "loss", "clip_frac", "mismatch_kl", "lag_mean",
                 "lag_max", "dropped_stale", "trunc_rate", "zero_var_frac", "npr_removed", "gen_tok_s", "train_tok_s",
@@ -257,8 +257,7 @@ def test_resume_continues_the_log(runs, smoke_run):
 def test_rl_seed_varies_rl_alone(runs, smoke_run):
     """--rl_seed reseeds what RL draws (curriculum order, sampling, evaluation draws) and nothing the run starts from:
     the same warm start is loaded; --rl_seed equal to --seed is the default run, row for row."""
-    timing = {"dt", "device_hours", "cpu_hours", "gen_tok_s", "train_tok_s", "gen_busy", "train_busy", "sync_s"}
-    strip = lambda path: [{k: v for k, v in r.items() if k not in timing} for r in read_jsonl(path)]  # noqa: E731
+    strip = lambda path: [{k: v for k, v in r.items() if k not in TIMING} for r in read_jsonl(path)]  # noqa: E731
     loaded = set()
     for s in (0, 1):
         p = run(f"--out_dir={runs / f'rl_seed{s}'}", f"--rl_seed={s}")
