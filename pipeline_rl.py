@@ -10,6 +10,7 @@
 from dataclasses import dataclass, field
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+import atexit
 import contextlib
 import json
 import math
@@ -580,6 +581,16 @@ def dist_cleanup(job):
         dist.destroy_process_group()
 
 
+def leave():
+    """The end of a torchrun rank whose work is done (process groups destroyed): exit handlers run, then the process
+    exits at once. Left to the interpreter's teardown, gloo work objects freed after the groups can abort a finished
+    rank (SIGABRT, "terminate called without an active exception"), and torchrun then fails the whole job."""
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        sys.stdout.flush(), sys.stderr.flush()
+        atexit._run_exitfuncs()
+        os._exit(0)
+
+
 def die(msg):
     """Say what this rank waited for, then exit at once: a thread stuck on a dead peer must not keep it alive."""
     print(f"error: {msg}", file=sys.stderr, flush=True)
@@ -919,7 +930,6 @@ class VLLMEngine(Engine):
     weight_version stamp), which its tokens are recorded with. vLLM starts from dummy weights, then the model's.
     `self.model` is a meta-device copy (names, shapes, dtypes); vLLM's start-up side effects are undone."""
     def __init__(self, model, *, slots, head_dtype=torch.float32, seed=0, gpu_share=0.9, child=None, **rules):
-        import atexit
         import shutil
         import tempfile
         from functools import partial

@@ -729,3 +729,4 @@ def finish(cfg, step, bad_run, tasks, took, stop, rank):
 
 if __name__ == "__main__":
     main(parse_args(sys.argv[1:]))
+    pipeline_rl.leave()
