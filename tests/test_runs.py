@@ -1,45 +1,82 @@
 """runs/ablations.py, as a user runs it: launches runs into their own directories, passes extra flags to every run,
-skips finished ones, and writes its report even when the runs are too short to fit."""
+skips finished ones, and writes its report even when the runs are too short to fit; and its verdicts, on curves
+drawn from known sigmoids."""
 import os
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import ROOT, run_command
+sys.path.insert(0, os.path.join(ROOT, "runs"))
+import ablations  # noqa: E402
+import sigmoid_fit  # noqa: E402
 SMOKE = ["--max_steps=2", "--eval_every=1", "--eval_prompts=8", "--eval_samples=2", "--n_train=200", "--sft_steps=20",
          "--batch_prompts=4", "--group_size=4", "--slots=16", "--ckpt_every=1"]
 
 
-def ablations(out, *args):
+def run_ablations(out, *args):
     return run_command([sys.executable, os.path.join(ROOT, "runs", "ablations.py"), "--out", str(out), *args])
 
 
 @pytest.mark.slow
 def test_launch_skip_resume_and_report(tmp_path):
-    p = ablations(tmp_path, "--only", "scalerl,dapo", "--jobs", "2", *SMOKE)
+    p = run_ablations(tmp_path, "--only", "scalerl,dapo", "--seeds", "0,1", "--jobs", "2", *SMOKE)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    for name in ("scalerl", "dapo"):
+    for name in ("scalerl-s0", "scalerl-s1", "dapo-s0", "dapo-s1"):
         assert os.path.exists(tmp_path / name / "ckpt.pt") and os.path.exists(tmp_path / name / "stdout.log")
-    assert '"loss": "dapo"' in open(tmp_path / "dapo" / "config.json").read()
+    config = open(tmp_path / "dapo-s1" / "config.json").read()
+    assert '"loss": "dapo"' in config and '"rl_seed": 1' in config and '"levels": "1,2,3,4,5,6,7,8"' in config
     assert os.path.exists(tmp_path / "results.md")  # written even though 2 steps are too few to fit
-    # a second launch skips both finished runs and leaves them untouched
-    before = open(tmp_path / "scalerl" / "metrics.jsonl").read()
-    p = ablations(tmp_path, "--only", "scalerl,dapo", *SMOKE)
-    assert p.returncode == 0 and p.stdout.count("finished, skipped") == 2
-    assert open(tmp_path / "scalerl" / "metrics.jsonl").read() == before
+    assert len(ablations.load_curves(str(tmp_path))) == 4  # curves.json's source: every finished run
+    # a second launch skips the finished runs and leaves them untouched
+    before = open(tmp_path / "scalerl-s0" / "metrics.jsonl").read()
+    p = run_ablations(tmp_path, "--only", "scalerl,dapo", "--seeds", "0,1", *SMOKE)
+    assert p.returncode == 0 and p.stdout.count("finished, skipped") == 4
+    assert open(tmp_path / "scalerl-s0" / "metrics.jsonl").read() == before
 
 
 @pytest.mark.slow
 def test_a_two_process_run_goes_through_torchrun(tmp_path):
     """The off-policy comparison where generation and training overlap: a generator rank and a trainer rank."""
-    p = ablations(tmp_path, "--only", "pipeline_2proc", *SMOKE)
+    p = run_ablations(tmp_path, "--only", "pipeline_2proc", "--seeds", "0", *SMOKE)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert "torch.distributed.run --standalone --nproc_per_node=2" in p.stdout
-    log = open(tmp_path / "pipeline_2proc" / "stdout.log").read()
+    log = open(tmp_path / "pipeline_2proc-s0" / "stdout.log").read()
     assert "torchrun: 2 ranks | trainer ranks [0] | generator ranks [1]" in log, log[-2000:]
-    assert os.path.exists(tmp_path / "pipeline_2proc" / "ckpt.pt") and os.path.exists(tmp_path / "results.md")
+    assert os.path.exists(tmp_path / "pipeline_2proc-s0" / "ckpt.pt") and os.path.exists(tmp_path / "results.md")
 
 
 def test_unknown_run_is_refused(tmp_path):
-    p = ablations(tmp_path, "--only", "scalerl,nonsense")
-    assert p.returncode == 2 and "unknown run(s) nonsense" in p.stderr
+    p = run_ablations(tmp_path, "--only", "scalerl,nonsense")
+    assert p.returncode == 2 and "unknown variant(s) nonsense" in p.stderr
+    p = run_ablations(tmp_path, "--seeds", "0,one")
+    assert p.returncode == 2 and "--seeds must be comma-separated integers, got '0,one'" in p.stderr
+
+
+def synthetic(variant, seed, A, B=1.5, c_mid=0.02, r0=0.3, noise=0.01):
+    """A run's curve drawn from a known sigmoid, 30 evaluations out to 8 x C_mid, with Gaussian noise."""
+    C = np.linspace(8 * c_mid / 30, 8 * c_mid, 30)
+    R = sigmoid_fit.sigmoid(C, A, B, c_mid, r0) + np.random.default_rng(seed + 100 * len(variant)).normal(0, noise, 30)
+    return dict(variant=variant, seed=seed, compute="cpu_hours", C=list(C), R=list(R), R0=r0, steps=300,
+                mismatch_kl=0.0, trunc_rate=0.1, zero_var_frac=0.3)
+
+
+def test_claims_separate_what_differs_and_not_what_does_not():
+    """Three seeds each: a 0.10 gap in A is seen in its direction, a reversed one is opposite, equal A's are within
+    the noise (and pass as an efficiency-only choice); each fit recovers its A and predicts its end from half."""
+    curves = [synthetic(v, s, A) for v, A in [("bf16_fp32_head", 0.65), ("bf16_bf16_head", 0.55), ("scalerl", 0.6),
+                                              ("dapo", 0.7), ("sample_agg", 0.6)] for s in range(3)]
+    stats = ablations.summarize(curves)
+    assert abs(stats["scalerl"]["A_mean"] - 0.6) < 0.02 and stats["scalerl"]["A_sd"] < 0.02
+    assert stats["scalerl"]["reach_mean"] > 3 and abs(stats["scalerl"]["pred_last3_mean"]) < 0.02
+    table = "\n".join(ablations.claims(stats))
+    assert "| FP32 head raises A (same bf16 body) |" in table
+    row = lambda claim: next(line for line in table.splitlines() if line.startswith(f"| {claim} |"))  # noqa: E731
+    assert row("FP32 head raises A (same bf16 body)").endswith("| seen, the paper's direction |")
+    assert row("CISPO above DAPO").endswith("| opposite to the paper |")
+    assert row("aggregation moves efficiency only").endswith("| A within the noise, as in the paper |")
+    assert "not run yet (gspo, dapo)" in row("GSPO above DAPO")
+    same = ablations.summarize([synthetic("scalerl", s, 0.6) for s in range(3)] +
+                               [synthetic("think_64", s, 0.61) for s in range(3)])
+    assert ablations.verdict("ceiling", same["think_64"], same["scalerl"])[2] == "not separated (within the noise)"
