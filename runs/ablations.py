@@ -203,6 +203,30 @@ def claims(stats):
     return lines
 
 
+def checks(stats):
+    """Is the miniature fit for judging claims: the default's seed spread and identified fits, and how well every
+    run's first half predicts its end."""
+    lines = ["| check | target | ours | met |", "|---|---|---|---|"]
+    s = stats.get("scalerl")
+    if s:
+        lines.append(f"| seed spread of A, default recipe ({s['n']} seeds) | std <= {NOISE} (paper: ±0.015) | "
+                     f"{s['A_mean']:.3f} ± {s['A_sd']:.3f} | {'yes' if s['A_sd'] <= NOISE else 'no'} |")
+        each = lambda key, fmt: ", ".join(format(r[key], fmt) for r in s["runs"])  # noqa: E731
+        ok = all(r["reach"] >= 3 and r["fit"].A < 0.99 and r["band"] <= 0.05 for r in s["runs"])
+        lines.append(f"| identified: window >= 3 x C_mid, A below its bound 1, 90% band <= 0.05 | every seed | "
+                     f"reach {each('reach', '.1f')}; A {', '.join(format(r['fit'].A, '.3f') for r in s['runs'])}; "
+                     f"band {each('band', '.3f')} | {'yes' if ok else 'no'} |")
+    runs = [r for v in stats.values() for r in v["runs"]]
+    if runs:
+        final = sum(abs(r["pred_final"]) <= NOISE for r in runs)
+        last3 = sum(abs(r["pred_last3"]) <= NOISE for r in runs)
+        worst = max(abs(r["pred_final"]) for r in runs)
+        lines.append(f"| the fit on the first half predicts the final evaluation | within {NOISE}, every run | "
+                     f"{final} of {len(runs)} (worst {worst:.3f}); the mean of the last 3: {last3} of {len(runs)} | "
+                     f"{'yes' if final == len(runs) else 'no'} |")
+    return lines
+
+
 def variants_table(stats):
     lines = ["| variant | flags | seeds | final | A (mean ± std) | 90% band | window / C_mid | B | C_mid | "
              "first half predicts final / last 3 | mismatch_kl | trunc |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -233,7 +257,8 @@ def report(out, curves=None):
     stats = summarize(curves)
     lines = ["# The paper in miniature (`--config=miniature`, seeds are --rl_seed; compute: cpu_hours, "
              "2-process runs: device_hours)", "", "Regenerate: `python runs/ablations.py` (finished runs are skipped).",
-             "", "## Claims", "", *claims(stats), "", "## Variants", "", *variants_table(stats), ""]
+             "", "## Fit for purpose", "", *checks(stats), "", "## Claims", "", *claims(stats), "", "## Variants", "",
+             *variants_table(stats), ""]
     for name, names in FIGURES.items():
         if any(v in stats for v in names):
             figure(stats, names, os.path.join(out, f"{name}.png"))
