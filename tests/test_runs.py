@@ -70,8 +70,9 @@ def test_claims_separate_what_differs_and_not_what_does_not():
     stats = ablations.summarize(curves)
     assert abs(stats["scalerl"]["A_mean"] - 0.6) < 0.02 and stats["scalerl"]["A_sd"] < 0.02
     assert stats["scalerl"]["reach_mean"] > 3 and abs(stats["scalerl"]["pred_last3_mean"]) < 0.02
-    fit_for_purpose = ablations.checks(stats)  # 0.01 of noise per evaluation: the miniature's checks pass
-    assert len(fit_for_purpose) == 5 and all(line.endswith("| yes |") for line in fit_for_purpose[2:])
+    fit_for_purpose = ablations.checks(stats)  # 0.01 of noise per evaluation: seed spread and identification pass
+    assert len(fit_for_purpose) == 5 and all(line.endswith("| yes |") for line in fit_for_purpose[2:4])
+    assert " of 15 (worst " in fit_for_purpose[4]  # a single evaluation's noise alone can miss by 0.02
     table = "\n".join(ablations.claims(stats))
     assert "| FP32 head raises A (same bf16 body) |" in table
     row = lambda claim: next(line for line in table.splitlines() if line.startswith(f"| {claim} |"))  # noqa: E731
