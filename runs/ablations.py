@@ -24,6 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from scipy.stats import t as stats_t
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -48,7 +49,7 @@ VARIANTS = {  # name -> flags on top of the preset (the paper's section in the c
 }
 TORCHRUN = {"pipeline_2proc", "ppo_2proc"}
 # (claim, paper section and number, kind, variants): "ceiling": the first variant's A above the second's;
-# "efficiency": A the same, B / C_mid may move; "B": the first's B above the second's at the same A
+# "efficiency": A the same, B / C_mid may move; "B": the first's fitted B above the second's (each its own fit)
 CLAIMS = [
     ("FP32 head raises A (same bf16 body)", "Sec. 3.2, Fig. 5b: A 0.52 -> 0.61", "ceiling",
      ["bf16_fp32_head", "bf16_bf16_head"]),
@@ -112,7 +113,8 @@ def launch(variant, seed, out, extra):
         return 0
     resume = ["--resume"] if os.path.exists(os.path.join(run_dir, "ckpt.pt")) else []
     if not resume and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-        print(f"{name}: {run_dir} holds a run without a checkpoint; remove it to start over", flush=True)
+        print(f"{name}: {run_dir} holds a run without a checkpoint; start it over with `rm -r {run_dir}`",
+              file=sys.stderr, flush=True)
         return 1
     os.makedirs(run_dir, exist_ok=True)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -133,8 +135,10 @@ def curve(out, variant, seed):
     """One finished run's evaluations and step diagnostics (what curves.json holds per run)."""
     run_dir = os.path.join(out, run_name(variant, seed))
     C, R, r0 = sigmoid_fit.read_points(run_dir, compute_key=compute_key(variant))
+    if r0 is None:
+        raise ValueError(f"{run_dir}: no evaluation before RL (R0)")
     steps = [r for r in rows(run_dir) if not r.get("eval")]
-    mean = lambda k: float(np.mean([r[k] for r in steps])) if steps else float("nan")  # noqa: E731
+    mean = lambda k: float(np.mean([r[k] for r in steps])) if steps else None  # noqa: E731
     return dict(variant=variant, seed=seed, compute=compute_key(variant), C=[float(c) for c in C],
                 R=[float(r) for r in R], R0=r0, steps=len(steps), mismatch_kl=mean("mismatch_kl"),
                 trunc_rate=mean("trunc_rate"), zero_var_frac=mean("zero_var_frac"))
@@ -142,46 +146,58 @@ def curve(out, variant, seed):
 
 def fit_run(c):
     """A run's fit (with its 90% bootstrap band), how far its window reaches in units of C_mid, and the fit on the
-    first half of its compute: its prediction of the final evaluation, and of the mean of the last three."""
+    first half of its compute: its prediction of the final evaluation, and of the mean of the last three (NaN if
+    the first half holds too few evaluations to fit)."""
     C, R = np.array(c["C"]), np.array(c["R"])
     fit = sigmoid_fit.fit_sigmoid(C, R, c["R0"])
-    half = sigmoid_fit.fit_sigmoid(C, R, c["R0"], c_max=C.max() / 2, n_boot=0)
-    return dict(fit=fit, reach=C.max() / fit.C_mid, band=fit.A_ci[1] - fit.A_ci[0],
-                pred_final=float(half.predict(C[-1:])[0] - R[-1]),
-                pred_last3=float(half.predict(C[-3:]).mean() - R[-3:].mean()))
+    try:
+        half = sigmoid_fit.fit_sigmoid(C, R, c["R0"], c_max=C.max() / 2, n_boot=0)
+        pred_final, pred_last3 = half.predict(C[-1:])[0] - R[-1], half.predict(C[-3:]).mean() - R[-3:].mean()
+    except ValueError:
+        pred_final = pred_last3 = float("nan")
+    return dict(fit=fit, reach=C.max() / fit.C_mid, band=fit.A_ci[1] - fit.A_ci[0], pred_final=float(pred_final),
+                pred_last3=float(pred_last3))
 
 
 def summarize(curves):
-    """Per variant: its runs' fits, and A, B, C_mid as mean and std over seeds."""
-    out = {}
+    """Per variant: its fitted runs, A and B as mean and std over seeds, C_mid as a geometric mean, and the runs
+    that could not be fitted (`unfitted`: (run, why); they count in no mean, and the tables name them)."""
+    out, unfitted = {}, {}
     for c in curves:
         try:
-            f = fit_run(c)
+            out.setdefault(c["variant"], []).append(dict(c, **fit_run(c)))
         except ValueError as e:  # too few evaluations, or no rise above R0
-            print(f"{run_name(c['variant'], c['seed'])}: not fitted: {e}", file=sys.stderr)
-            continue
-        out.setdefault(c["variant"], []).append(dict(c, **f))
+            unfitted.setdefault(c["variant"], []).append((run_name(c["variant"], c["seed"]), str(e)))
     stats = {}
-    for v, runs in out.items():
-        get = lambda k: np.array([r["fit"].__dict__[k] if k in ("A", "B", "C_mid") else r[k]  # noqa: E731
+    for v in dict.fromkeys([c["variant"] for c in curves]):
+        runs = out.get(v, [])
+        get = lambda k: np.array([getattr(r["fit"], k) if k in ("A", "B", "C_mid") else r[k]  # noqa: E731
                                   for r in runs], dtype=float)
         sd = lambda x: float(x.std(ddof=1)) if len(x) > 1 else float("nan")  # noqa: E731
-        stats[v] = dict(runs=runs, n=len(runs), **{f"{k}_mean": float(get(k).mean()) for k in
-                                                   ("A", "B", "C_mid", "band", "reach", "pred_final", "pred_last3")},
-                        A_sd=sd(get("A")), B_sd=sd(get("B")), final_mean=float(np.mean([r["R"][-1] for r in runs])),
-                        mismatch_kl=float(np.mean([r["mismatch_kl"] for r in runs])),
-                        trunc_rate=float(np.mean([r["trunc_rate"] for r in runs])))
+        mean = lambda x: float(np.nanmean(x)) if len(x) and not np.isnan(x).all() else float("nan")  # noqa: E731
+        stats[v] = dict(runs=runs, n=len(runs), unfitted=unfitted.get(v, []), A_sd=sd(get("A")), B_sd=sd(get("B")),
+                        C_mid_mean=float(np.exp(np.log(get("C_mid")).mean())) if runs else float("nan"),
+                        **{f"{k}_mean": mean(get(k)) for k in ("A", "B", "band", "reach", "pred_final", "pred_last3")},
+                        final_mean=mean(np.array([r["R"][-1] for r in runs])),
+                        **{k: mean(np.array([r[k] for r in runs], dtype=float)) for k in ("mismatch_kl", "trunc_rate")})
     return stats
 
 
 def verdict(kind, a, b):
-    """One claim judged against the seed spread: the difference of means against max(0.02, 2 standard errors)."""
+    """One claim judged against the seed spread: the difference of the means against the larger of the paper's
+    margin (0.02, for A) and the 95% half-width of a Welch t-interval over seeds (with 3 seeds a side, about 2.8-4.3
+    standard errors). Fewer than 2 fitted seeds on either side: no spread to judge against."""
     key = "B" if kind == "B" else "A"
     d = a[f"{key}_mean"] - b[f"{key}_mean"]
-    se = np.sqrt(np.nan_to_num(a[f"{key}_sd"]) ** 2 / a["n"] + np.nan_to_num(b[f"{key}_sd"]) ** 2 / b["n"])
-    margin = max(NOISE if key == "A" else 0.0, 2 * se)
+    if min(a["n"], b["n"]) < 2:
+        return d, float("nan"), "fewer than 2 fitted seeds: no spread to judge against"
+    va, vb = a[f"{key}_sd"] ** 2 / a["n"], b[f"{key}_sd"] ** 2 / b["n"]
+    se = np.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va ** 2 / (a["n"] - 1) + vb ** 2 / (b["n"] - 1)) if se > 0 else 1.0
+    margin = max(NOISE if key == "A" else 0.0, float(stats_t.ppf(0.975, df)) * se)
     if kind == "efficiency":
-        word = "A within the noise, as in the paper" if abs(d) <= margin else "A moved beyond the noise"
+        word = ("A moved beyond the noise" if abs(d) > margin else "A within the noise, as in the paper"
+                if margin <= NOISE else f"A within the noise, which is wider than the paper's {NOISE}")
     else:
         word = ("seen, the paper's direction" if d > margin else "opposite to the paper" if d < -margin
                 else "not separated (within the noise)")
@@ -189,17 +205,20 @@ def verdict(kind, a, b):
 
 
 def claims(stats):
-    """The claims table: each claim, the paper's number, ours (mean +- std over seeds), and a verdict."""
-    fmt = lambda s: f"{s['A_mean']:.3f} ± {s['A_sd']:.3f}"  # noqa: E731
-    lines = ["| claim | paper | ours: A (mean ± std over seeds) | B | difference | verdict |", "|---|---|---|---|---|---|"]
+    """The claims table: each claim, the paper's number, ours (mean +- std over fitted seeds), and a verdict. The
+    B claim compares each variant's own fits (B trades off against A and C_mid; the A column says how far apart the
+    ceilings are)."""
+    fmt = lambda v: f"{v} {stats[v]['A_mean']:.3f} ± {stats[v]['A_sd']:.3f} ({stats[v]['n']})"  # noqa: E731
+    lines = ["| claim | paper | ours: A, mean ± std over (n) fitted seeds | B | difference (noise) | verdict |",
+             "|---|---|---|---|---|---|"]
     for claim, paper, kind, (x, y) in CLAIMS:
-        if x not in stats or y not in stats:
-            lines.append(f"| {claim} | {paper} | not run yet ({x}, {y}) | | | |")
+        if not (stats.get(x, {}).get("n") and stats.get(y, {}).get("n")):
+            lines.append(f"| {claim} | {paper} | no fitted run yet of {x if not stats.get(x, {}).get('n') else y} "
+                         "| | | |")
             continue
         d, margin, word = verdict(kind, stats[x], stats[y])
-        lines.append(f"| {claim} | {paper} | {x} {fmt(stats[x])}; {y} {fmt(stats[y])} | {stats[x]['B_mean']:.2f} vs "
-                     f"{stats[y]['B_mean']:.2f} | {'B' if kind == 'B' else 'A'} {d:+.3f} (noise {margin:.3f}) "
-                     f"| {word} |")
+        lines.append(f"| {claim} | {paper} | {fmt(x)}; {fmt(y)} | {stats[x]['B_mean']:.2f} vs "
+                     f"{stats[y]['B_mean']:.2f} | {'B' if kind == 'B' else 'A'} {d:+.3f} ({margin:.3f}) | {word} |")
     return lines
 
 
@@ -208,15 +227,15 @@ def checks(stats):
     run's first half predicts its end."""
     lines = ["| check | target | ours | met |", "|---|---|---|---|"]
     s = stats.get("scalerl")
-    if s:
+    if s and s["n"]:
         lines.append(f"| seed spread of A, default recipe ({s['n']} seeds) | std <= {NOISE} (paper: ±0.015) | "
                      f"{s['A_mean']:.3f} ± {s['A_sd']:.3f} | {'yes' if s['A_sd'] <= NOISE else 'no'} |")
         each = lambda key, fmt: ", ".join(format(r[key], fmt) for r in s["runs"])  # noqa: E731
-        ok = all(r["reach"] >= 3 and r["fit"].A < 0.99 and r["band"] <= 0.05 for r in s["runs"])
+        ok = not s["unfitted"] and all(r["reach"] >= 3 and r["fit"].A < 0.99 and r["band"] <= 0.05 for r in s["runs"])
         lines.append(f"| identified: window >= 3 x C_mid, A below its bound 1, 90% band <= 0.05 | every seed | "
                      f"reach {each('reach', '.1f')}; A {', '.join(format(r['fit'].A, '.3f') for r in s['runs'])}; "
                      f"band {each('band', '.3f')} | {'yes' if ok else 'no'} |")
-    runs = [r for v in stats.values() for r in v["runs"]]
+    runs = [r for v in stats.values() for r in v["runs"] if not np.isnan(r["pred_final"])]
     if runs:
         final = sum(abs(r["pred_final"]) <= NOISE for r in runs)
         last3 = sum(abs(r["pred_last3"]) <= NOISE for r in runs)
@@ -228,14 +247,14 @@ def checks(stats):
 
 
 def variants_table(stats):
-    lines = ["| variant | flags | seeds | final | A (mean ± std) | 90% band | window / C_mid | B | C_mid | "
+    lines = ["| variant | flags | seeds | final | A (mean ± std) | 90% band | window / C_mid | B | C_mid (geo. mean) | "
              "first half predicts final / last 3 | mismatch_kl | trunc |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for v, s in stats.items():
         lines.append(f"| {v} | {' '.join(VARIANTS[v]) or '(preset)'} | {s['n']} | {s['final_mean']:.3f} | "
                      f"{s['A_mean']:.3f} ± {s['A_sd']:.3f} | {s['band_mean']:.3f} | {s['reach_mean']:.1f} | "
                      f"{s['B_mean']:.2f} | {s['C_mid_mean']:.3g} | {s['pred_final_mean']:+.3f} / "
                      f"{s['pred_last3_mean']:+.3f} | {s['mismatch_kl']:+.1e} | {s['trunc_rate']:.3f} |")
-    return lines
+    return lines + [f"Not fitted: {run}: {why}." for s in stats.values() for run, why in s["unfitted"]]
 
 
 def figure(stats, names, path):
@@ -246,24 +265,36 @@ def figure(stats, names, path):
 
 
 def load_curves(out):
-    """Every finished run's curve, from the run directories under `out` (<variant>-s<seed>, any seed)."""
-    found = [d.rpartition("-s") for d in sorted(os.listdir(out)) if finished(os.path.join(out, d))]
-    return [curve(out, v, int(s)) for v, _, s in found if v in VARIANTS and s.isdigit()]
+    """Every finished run's curve, from the run directories under `out` (<variant>-s<seed>, any seed). A directory
+    that cannot be read is named on stderr and left out."""
+    curves = []
+    for d in sorted(os.listdir(out)):
+        variant, _, seed = d.rpartition("-s")
+        if variant in VARIANTS and seed.isdigit() and finished(os.path.join(out, d)):
+            try:
+                curves.append(dict(curve(out, variant, int(seed)), max_steps=json.load(open(os.path.join(
+                    out, d, "config.json")))["config"]["max_steps"]))
+            except (ValueError, OSError, KeyError) as e:
+                print(f"{d}: left out of the report: {e}", file=sys.stderr)
+    return curves
 
 
-def report(out, curves=None):
-    curves = load_curves(out) if curves is None else curves
+def report(out, seeds=SEEDS):
+    curves = load_curves(out)
     json.dump(curves, open(os.path.join(out, "curves.json"), "w"), indent=0)
     stats = summarize(curves)
+    lengths = sorted({c["max_steps"] for c in curves})
     lines = ["# The paper in miniature (`--config=miniature`, seeds are --rl_seed; compute: cpu_hours, "
              "2-process runs: device_hours)", "", "Regenerate: `python runs/ablations.py` (finished runs are skipped).",
-             "", "## Fit for purpose", "", *checks(stats), "", "## Claims", "", *claims(stats), "", "## Variants", "",
+             ""] + ([f"Warning: the runs have different lengths ({', '.join(map(str, lengths))} steps); compare runs "
+                     "of one length.", ""] if len(lengths) > 1 else []) + [
+             "## Fit for purpose", "", *checks(stats), "", "## Claims", "", *claims(stats), "", "## Variants", "",
              *variants_table(stats), ""]
     for name, names in FIGURES.items():
-        if any(v in stats for v in names):
+        if any(stats.get(v, {}).get("n") for v in names):
             figure(stats, names, os.path.join(out, f"{name}.png"))
             lines += [f"![{name}]({name}.png)", ""]
-    missing = [run_name(v, s) for v in VARIANTS for s in SEEDS if not any(
+    missing = [run_name(v, s) for v in VARIANTS for s in seeds if not any(
         c["variant"] == v and c["seed"] == s for c in curves)]
     if missing:
         lines.append(f"Not finished yet: {', '.join(missing)}.")
@@ -280,25 +311,28 @@ def main():
     ap.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="comma-separated RL seeds (default: 0,1,2)")
     ap.add_argument("--report", action="store_true", help="only fit and plot the finished runs")
     args, extra = ap.parse_known_args()  # anything else goes to every scalerl.py run, e.g. --max_steps=100
-    names = args.only.split(",") if args.only else list(VARIANTS)
+    names = list(dict.fromkeys(args.only.split(","))) if args.only else list(VARIANTS)
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         ap.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     try:
-        seeds = [int(s) for s in args.seeds.split(",")]
+        seeds = list(dict.fromkeys(int(s) for s in args.seeds.split(",")))
     except ValueError:
-        ap.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+        seeds = [-1]
+    if min(seeds) < 0:
+        ap.error(f"--seeds must be comma-separated integers >= 0, got {args.seeds!r}")
     if args.jobs < 1:
         ap.error(f"--jobs must be >= 1, got {args.jobs}")
     os.makedirs(args.out, exist_ok=True)
+    codes = []
     if not args.report:
-        order = [(v, s) for s in seeds for v in names]  # seed 0 of every variant first: a partial set compares
+        order = [(v, s) for s in seeds for v in names]  # the first seed of every variant first: a partial set compares
         with ThreadPoolExecutor(args.jobs) as pool:  # the 2-process runs after, alone: each takes both cores
             codes = list(pool.map(lambda vs: launch(*vs, args.out, extra), [x for x in order if x[0] not in TORCHRUN]))
         codes += [launch(v, s, args.out, extra) for v, s in order if v in TORCHRUN]
-        if any(codes):
-            print(f"{sum(c != 0 for c in codes)} run(s) failed; see their stdout.log", file=sys.stderr)
-    report(args.out)
+    report(args.out, seeds)
+    if any(codes):
+        sys.exit(f"{sum(c != 0 for c in codes)} run(s) failed; see their stdout.log")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """runs/ablations.py, as a user runs it: launches runs into their own directories, passes extra flags to every run,
 skips finished ones, and writes its report even when the runs are too short to fit; and its verdicts, on curves
 drawn from known sigmoids."""
+import json
 import os
 import sys
+import zlib
 
 import numpy as np
 import pytest
@@ -51,13 +53,14 @@ def test_unknown_run_is_refused(tmp_path):
     p = run_ablations(tmp_path, "--only", "scalerl,nonsense")
     assert p.returncode == 2 and "unknown variant(s) nonsense" in p.stderr
     p = run_ablations(tmp_path, "--seeds", "0,one")
-    assert p.returncode == 2 and "--seeds must be comma-separated integers, got '0,one'" in p.stderr
+    assert p.returncode == 2 and "--seeds must be comma-separated integers >= 0, got '0,one'" in p.stderr
 
 
 def synthetic(variant, seed, A, B=1.5, c_mid=0.02, r0=0.3, noise=0.01):
     """A run's curve drawn from a known sigmoid, 30 evaluations out to 8 x C_mid, with Gaussian noise."""
     C = np.linspace(8 * c_mid / 30, 8 * c_mid, 30)
-    R = sigmoid_fit.sigmoid(C, A, B, c_mid, r0) + np.random.default_rng(seed + 100 * len(variant)).normal(0, noise, 30)
+    rng = np.random.default_rng([seed, zlib.crc32(variant.encode())])
+    R = sigmoid_fit.sigmoid(C, A, B, c_mid, r0) + rng.normal(0, noise, 30)
     return dict(variant=variant, seed=seed, compute="cpu_hours", C=list(C), R=list(R), R0=r0, steps=300,
                 mismatch_kl=0.0, trunc_rate=0.1, zero_var_frac=0.3)
 
@@ -78,8 +81,35 @@ def test_claims_separate_what_differs_and_not_what_does_not():
     row = lambda claim: next(line for line in table.splitlines() if line.startswith(f"| {claim} |"))  # noqa: E731
     assert row("FP32 head raises A (same bf16 body)").endswith("| seen, the paper's direction |")
     assert row("CISPO above DAPO").endswith("| opposite to the paper |")
-    assert row("aggregation moves efficiency only").endswith("| A within the noise, as in the paper |")
-    assert "not run yet (gspo, dapo)" in row("GSPO above DAPO")
+    assert "| A within the noise" in row("aggregation moves efficiency only")  # (t-interval of 3 seeds a side)
+    assert "no fitted run yet of gspo" in row("GSPO above DAPO")
     same = ablations.summarize([synthetic("scalerl", s, 0.6) for s in range(3)] +
                                [synthetic("think_64", s, 0.61) for s in range(3)])
     assert ablations.verdict("ceiling", same["think_64"], same["scalerl"])[2] == "not separated (within the noise)"
+    one = ablations.summarize([synthetic("scalerl", 0, 0.6), synthetic("dapo", 0, 0.5)])  # one seed: no verdict
+    assert ablations.verdict("ceiling", one["scalerl"], one["dapo"])[2].startswith("fewer than 2 fitted seeds")
+    flat = dict(synthetic("no_npr", 0, 0.6), R=[0.3] * 30)  # never rises above R0: named, in no mean
+    s = ablations.summarize([flat, synthetic("no_npr", 1, 0.6)])["no_npr"]
+    assert s["n"] == 1 and s["unfitted"][0][0] == "no_npr-s0" and "never rises above R0" in s["unfitted"][0][1]
+
+
+def test_report_reads_run_directories_by_name(tmp_path):
+    """Finished runs named <variant>-s<seed> (seeds of any width) are read, a run killed before its last step and a
+    directory of another name are not; the report writes its tables, curves.json and figures."""
+    for variant, seed, A in [("bf16_fp32_head", 0, 0.65), ("bf16_fp32_head", 12, 0.64), ("no_zero_var_filter", 1, 0.6),
+                             ("scalerl", 0, 0.6), ("notes", 0, 0.6)]:
+        c, d = synthetic(variant, seed, A), tmp_path / f"{variant}-s{seed}"
+        d.mkdir()
+        (d / "config.json").write_text('{"config": {"max_steps": 300}}')
+        evals = [dict(step=10 * i, eval=True, pass_rate=r, cpu_hours=x)
+                 for i, (x, r) in enumerate(zip([0.0] + c["C"], [c["R0"]] + c["R"]))]
+        steps = [dict(step=i, mismatch_kl=1e-4, trunc_rate=0.1, zero_var_frac=0.3) for i in range(1, 301)]
+        (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in evals + steps) + "\n")
+    (tmp_path / "scalerl-s0" / "config.json").write_text('{"config": {"max_steps": 400}}')  # not at its end
+    ablations.report(str(tmp_path))
+    curves = json.load(open(tmp_path / "curves.json"))
+    assert sorted((c["variant"], c["seed"]) for c in curves) == [("bf16_fp32_head", 0), ("bf16_fp32_head", 12),
+                                                                 ("no_zero_var_filter", 1)]
+    md = open(tmp_path / "results.md").read()
+    assert "| bf16_fp32_head | --dtype=bfloat16 | 2 |" in md and "scalerl-s0" in md.split("Not finished yet:")[1]
+    assert os.path.exists(tmp_path / "precision.png") and not os.path.exists(tmp_path / "loss.png")
