@@ -228,7 +228,7 @@ def checks(stats):
     lines = ["| check | target | ours | met |", "|---|---|---|---|"]
     s = stats.get("scalerl")
     if s and s["n"]:
-        lines.append(f"| seed spread of A, default recipe ({s['n']} seeds) | std <= {NOISE} (paper: ±0.015) | "
+        lines.append(f"| seed spread of A, default recipe (seeds: {s['n']}) | std <= {NOISE} (paper: ±0.015) | "
                      f"{s['A_mean']:.3f} ± {s['A_sd']:.3f} | {'yes' if s['A_sd'] <= NOISE else 'no'} |")
         each = lambda key, fmt: ", ".join(format(r[key], fmt) for r in s["runs"])  # noqa: E731
         ok = not s["unfitted"] and all(r["reach"] >= 3 and r["fit"].A < 0.99 and r["band"] <= 0.05 for r in s["runs"])
