@@ -23,19 +23,19 @@ def run_ablations(out, *args):
 
 @pytest.mark.slow
 def test_launch_skip_resume_and_report(tmp_path):
-    p = run_ablations(tmp_path, "--only", "scalerl,dapo", "--seeds", "0,1", "--jobs", "2", *SMOKE)
+    p = run_ablations(tmp_path, "--only", "dapo", "--seeds", "0,1", "--jobs", "2", *SMOKE)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    for name in ("scalerl-s0", "scalerl-s1", "dapo-s0", "dapo-s1"):
+    for name in ("dapo-s0", "dapo-s1"):
         assert os.path.exists(tmp_path / name / "ckpt.pt") and os.path.exists(tmp_path / name / "stdout.log")
     config = open(tmp_path / "dapo-s1" / "config.json").read()
     assert '"loss": "dapo"' in config and '"rl_seed": 1' in config and '"levels": "1,2,3,4,5,6,7,8"' in config
     assert os.path.exists(tmp_path / "results.md")  # written even though 2 steps are too few to fit
-    assert len(ablations.load_curves(str(tmp_path))) == 4  # curves.json's source: every finished run
+    assert len(ablations.load_curves(str(tmp_path))) == 2  # curves.json's source: every finished run
     # a second launch skips the finished runs and leaves them untouched
-    before = open(tmp_path / "scalerl-s0" / "metrics.jsonl").read()
-    p = run_ablations(tmp_path, "--only", "scalerl,dapo", "--seeds", "0,1", *SMOKE)
-    assert p.returncode == 0 and p.stdout.count("finished, skipped") == 4
-    assert open(tmp_path / "scalerl-s0" / "metrics.jsonl").read() == before
+    before = open(tmp_path / "dapo-s0" / "metrics.jsonl").read()
+    p = run_ablations(tmp_path, "--only", "dapo", "--seeds", "0,1", *SMOKE)
+    assert p.returncode == 0 and p.stdout.count("finished, skipped") == 2
+    assert open(tmp_path / "dapo-s0" / "metrics.jsonl").read() == before
 
 
 @pytest.mark.slow
