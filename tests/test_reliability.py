@@ -268,14 +268,18 @@ def test_bad_invocation_one_line_dir_untouched(bad_runs, case):
 # 4. Real kills and --resume
 
 
-def kill_when_under_way(proc, out, resume, delay, kill, wait=180):
+def kill_when_under_way(proc, out, resume, delay, kill, wait=180, new_steps=0):
     """Once the run has a checkpoint and has started its log (a resume rewrites the log, a new file, before its
-    steps), kill it `delay` seconds later, at a random moment of the next steps. Returns 1 if it was killed."""
+    steps), and then logged `new_steps` more steps, kill it `delay` seconds later, at a random moment of the next
+    steps. Returns 1 if it was killed."""
     log, t_end = out / "metrics.jsonl", time.time() + wait
-    stamp = os.stat(log).st_ino if resume else None
+    stamp, started = os.stat(log).st_ino if resume else None, None
     while proc.poll() is None and time.time() < t_end:
         if os.path.exists(out / "ckpt.pt") and os.path.exists(log) and os.stat(log).st_ino != stamp:
-            break
+            steps = sum('"pass_rate"' not in line for line in open(log))
+            started = steps if started is None else started
+            if steps >= started + new_steps:
+                break
         time.sleep(0.05)
     time.sleep(delay)
     if proc.poll() is not None:
@@ -352,9 +356,10 @@ def test_torchrun_sigkill_and_resume_until_done(base):
         cmd = torchrun_command("--standalone", "--nproc_per_node=3", *command(out, *args, *resume)[1:])
         proc = subprocess.Popen(cmd, env={**ENV, "OMP_NUM_THREADS": "1"}, cwd=ROOT,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        if kills < 2:  # the launcher and every rank at once, as a lost node would
-            kills += kill_when_under_way(proc, out, resume, rng.uniform(0.3, 1.5),  # within the now faster steps
-                                         lambda: os.killpg(proc.pid, signal.SIGKILL))
+        if kills < 2:  # the launcher and every rank at once, as a lost node would, a step into the (re)start: the
+            # steps are fast enough that a kill timed from the start alone can land after the run's end
+            kills += kill_when_under_way(proc, out, resume, rng.uniform(0.0, 0.5),
+                                         lambda: os.killpg(proc.pid, signal.SIGKILL), new_steps=1)
         _, err = proc.communicate(timeout=600)
         if proc.returncode == 0:
             break
