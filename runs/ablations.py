@@ -96,13 +96,18 @@ def rows(run_dir):
     return out
 
 
+def max_steps(run_dir):
+    """The run's own --max_steps, from its config.json (None if that is missing or unreadable)."""
+    try:
+        return json.load(open(os.path.join(run_dir, "config.json")))["config"]["max_steps"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def finished(run_dir):
     """An eval row at the run's last step."""
-    try:
-        max_steps = json.load(open(os.path.join(run_dir, "config.json")))["config"]["max_steps"]
-    except (OSError, ValueError, KeyError):
-        return False
-    return any(r.get("eval") and r["step"] == max_steps for r in rows(run_dir))
+    n = max_steps(run_dir)
+    return n is not None and any(r.get("eval") and r["step"] == n for r in rows(run_dir))
 
 
 def launch(variant, seed, out, extra):
@@ -272,9 +277,8 @@ def load_curves(out):
         variant, _, seed = d.rpartition("-s")
         if variant in VARIANTS and seed.isdigit() and finished(os.path.join(out, d)):
             try:
-                curves.append(dict(curve(out, variant, int(seed)), max_steps=json.load(open(os.path.join(
-                    out, d, "config.json")))["config"]["max_steps"]))
-            except (ValueError, OSError, KeyError) as e:
+                curves.append(dict(curve(out, variant, int(seed)), max_steps=max_steps(os.path.join(out, d))))
+            except (ValueError, OSError) as e:
                 print(f"{d}: left out of the report: {e}", file=sys.stderr)
     return curves
 
