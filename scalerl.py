@@ -158,7 +158,7 @@ PRESETS = {
     "smoke": dict(max_steps=4, eval_every=2, eval_prompts=8, eval_samples=2, n_train=200, sft_steps=20,
                   batch_prompts=4, group_size=4, slots=16, ckpt_every=2),
     # the paper in miniature (runs/ablations.py): levels 7-8 outgrow the thinking budget, so the ceiling sits near
-    # 0.6, below the fit's bound; two layers learn it in about 30 steps, and 300 reach 10 x C_mid in about 3 min
+    # 0.6, below the fit's bound; two layers learn it in about 30 steps, and 300 reach 10 x C_mid in 3-5 min
     # on one thread; 192 held-out prompts halve an evaluation's noise (README "The paper in miniature")
     "miniature": dict(levels="1,2,3,4,5,6,7,8", n_layer=2, lr=1.5e-4, max_steps=300, eval_prompts=192),
     "hub": HUB,                                                              # any --model other than tiny
