@@ -1,31 +1,21 @@
 """sigmoid_fit.py: predict where an RL run will plateau, from the first part of its curve.
 
-The paper's compute-performance curve (Sec. 2.1, App. A.4-A.7):
-
-    R(C) = R0 + (A - R0) / (1 + (C_mid / C) ** B)
-
-C is training compute (device-hours), R the held-out pass rate, R0 the pass rate before RL (an input, not
-fitted), A the asymptote, B the efficiency exponent and C_mid the compute at half the gain A - R0.
-
-Choices, with the paper's sections:
-1. Grid search (App. A) over A and C_mid, with the least-squares B in every cell; the smallest squared error wins.
-   `paper_grid=True` is the paper's grid: A 0.450..0.800 step 0.005, C_mid 100..40000 GPU-hours in 100 values
-   (evenly spaced: the paper does not say). The default grid adapts to the data, as a CPU run measures compute in
-   thousandths of a device-hour and can end below A = 0.45: A over [R0, 1], C_mid log-spaced over [min(C) / 10,
-   max(C) * 100], then finer grids around the best cell. `method="curve_fit"` polishes the grid optimum with
-   scipy's curve_fit. Bounds (ours): A in [R0, 1], B in [0.05, 20].
-2. Early points are excluded (App. A: below ~1.5k of a ~16k GPU-hour run, an almost linear regime) with `c_min`; by
-   default every point with C > 0 is used. Points with C <= 0 never are.
+The paper's compute-performance curve (Sec. 2.1, App. A.4-A.7): R(C) = R0 + (A - R0) / (1 + (C_mid / C) ** B), with C
+the training compute (device-hours), R the held-out pass rate, R0 its value before RL (measured, not fitted), A the
+asymptote, B the efficiency exponent and C_mid the compute at half the gain A - R0. Choices:
+1. Grid search (App. A) over A and C_mid with the least-squares B in every cell. `paper_grid=True`: the paper's grid,
+   A 0.450..0.800 step 0.005, C_mid 100..40000 GPU-hours in 100 values (evenly spaced: the paper does not say). The
+   default grid (ours) fits a CPU run's thousandths of a device-hour and A below 0.45: A over [R0, 1], C_mid over
+   [min(C) / 10, 100 max(C)], zoomed around the best cell. `method="curve_fit"` polishes the optimum by least squares.
+   Bounds (ours): A in [R0, 1], B in [0.05, 20].
+2. `c_min` leaves out early points (App. A: below ~1.5k of a ~16k GPU-hour run, an almost linear regime).
 3. Extrapolation check (Sec. 2.1): fit on the first half of the compute budget, compare with the rest of the run.
-4. Noise margin (App. A): A varies by about +-0.015 across identical runs, the paper treats +-0.02 as noise; we also
-   report a residual-bootstrap spread of A. Recipes whose A agree within 0.02 are compared by B after refitting both
-   at their average A (`fix_A`).
+4. Noise margin (App. A): A varies by about +-0.015 across identical runs, the paper treats +-0.02 as noise; we add a
+   residual bootstrap of A. Recipes whose A agree within 0.02 are compared by B at their mean A (`fix_A`).
 5. Power-law baseline R = A - D / C**B (App. A): it overshoots the ceiling when fitted early.
 6. "Slope equals B" (Fig. 7): log((R - R0) / (A - R)) is a straight line of slope B in log C.
 
-Run `python sigmoid_fit.py out/<run> [more runs or CSVs] [--plot curve.png]` (--help: the options; --per-task: a curve
-per task of a math+code run, as in Table 1). A metrics.jsonl gives eval rows (with `pass_rate`) against the cumulative
-`device_hours`, its row at compute 0 is R0; a CSV, columns by name (headerless: compute,pass_rate).
+Usage: python sigmoid_fit.py out/<run> [more runs or CSVs] [--plot curve.png] [--per-task]   (--help: the options)
 """
 import argparse
 import csv
@@ -35,19 +25,19 @@ import sys
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import curve_fit, least_squares, minimize_scalar
+from scipy.optimize import least_squares, minimize_scalar
 from scipy.special import expit
 
-PAPER_A_GRID = np.round(np.arange(0.450, 0.8001, 0.005), 3)  # 71 values (App. A)
-PAPER_CMID_GRID = np.linspace(100.0, 40000.0, 100)  # GPU-hours
+# The paper's grid (App. A): 71 values of A, 100 of C_mid in GPU-hours. MIN_POINTS: one more than the 3 parameters.
+# NOISE_MARGIN: the run-to-run spread of A that the paper treats as noise.
+PAPER_A_GRID = np.round(np.arange(0.450, 0.8001, 0.005), 3)
+PAPER_CMID_GRID = np.linspace(100.0, 40000.0, 100)
 B_BOUNDS = (0.05, 20.0)
-MIN_POINTS = 4  # three fitted parameters need at least one more point
-NOISE_MARGIN = 0.02  # run-to-run spread of A the paper treats as noise
-
+MIN_POINTS = 4
+NOISE_MARGIN = 0.02
 
 class TooFewPoints(ValueError):
     """Fewer than MIN_POINTS points in the fit window: a report on several runs notes the run and fits the rest."""
-
 
 def sigmoid(C, A, B, C_mid, R0):
     """The paper's curve, as R0 + (A - R0) * expit(B * (log C - log C_mid)): no overflow, and R0 at C = 0."""
@@ -55,24 +45,23 @@ def sigmoid(C, A, B, C_mid, R0):
         logc = np.log(np.asarray(C, dtype=float))
     return R0 + (A - R0) * expit(B * (logc - np.log(C_mid)))
 
-
 @dataclass
 class SigmoidFit:
+    """sse, rmse: over the n_points fitted points, window: their compute range; A_std, A_ci: bootstrap std, 5-95%."""
     A: float
     B: float
     C_mid: float
     R0: float
-    sse: float  # sum of squared errors in pass rate over the fitted points
+    sse: float
     rmse: float
-    window: tuple  # (c_lo, c_hi): compute range of the fitted points
+    window: tuple
     n_points: int
-    A_std: float = float("nan")  # residual-bootstrap std of A
-    A_ci: tuple = (float("nan"), float("nan"))  # bootstrap 5th..95th percentile of A
+    A_std: float = float("nan")
+    A_ci: tuple = (float("nan"), float("nan"))
     method: str = "grid"
 
     def predict(self, C):
         return sigmoid(C, self.A, self.B, self.C_mid, self.R0)
-
 
 @dataclass
 class PowerLawFit:
@@ -87,9 +76,7 @@ class PowerLawFit:
     def predict(self, C):
         return self.A - self.D / np.asarray(C, dtype=float) ** self.B
 
-
 def _window(C, R, c_min, c_max):
-    """Points with C > 0 inside [c_min, c_max], as float arrays."""
     C, R = np.asarray(C, dtype=float).ravel(), np.asarray(R, dtype=float).ravel()
     if C.shape != R.shape or not (np.all(np.isfinite(C)) and np.all(np.isfinite(R))):
         raise ValueError(f"compute and pass rate must be finite numbers of equal length ({C.size} vs {R.size})")
@@ -98,30 +85,29 @@ def _window(C, R, c_min, c_max):
         raise TooFewPoints(f"need at least {MIN_POINTS} points with compute > 0 in the fit window, got {keep.sum()}")
     return C[keep], R[keep]
 
-
 def _best_b(A, logcm, logc, R, R0, n_grid=25, n_golden=20):
-    """Least-squares B in every (A, C_mid) cell at once: a coarse log-grid of B brackets the minimum,
-    golden-section search narrows it. A, logcm: (K,); logc, R: (N,). Returns B, sse: (K,)."""
-    gain, d = (A - R0)[:, None], logc - logcm[:, None]  # (K, 1), (K, N)
+    """Least-squares B in every (A, C_mid) cell at once: a coarse log-grid of B brackets the minimum, golden-section
+    search narrows it. A, logcm: (K,); logc, R: (N,). Returns B, sse: (K,)."""
+    gain, d = (A - R0)[:, None], logc - logcm[:, None]
 
-    def sse(logb):  # (K,) -> (K,)
+    def sse(logb):
         return ((R0 + gain * expit(np.exp(logb)[:, None] * d) - R) ** 2).sum(-1)
 
     grid = np.linspace(np.log(B_BOUNDS[0]), np.log(B_BOUNDS[1]), n_grid)
-    j = np.stack([sse(np.full(len(A), g)) for g in grid]).argmin(0)  # (K,)
+    j = np.stack([sse(np.full(len(A), g)) for g in grid]).argmin(0)
     lo, hi = grid[np.maximum(j - 1, 0)], grid[np.minimum(j + 1, n_grid - 1)]
     g = (np.sqrt(5) - 1) / 2
     x1, x2 = hi - g * (hi - lo), lo + g * (hi - lo)
     f1, f2 = sse(x1), sse(x2)
-    for _ in range(n_golden):  # one new evaluation per step: the kept inner point is reused
-        left = f1 < f2  # the minimum lies in [lo, x2], else in [x1, hi]
+    # Each step keeps [lo, x2] (where f1 < f2) or [x1, hi], and its inner point: one new evaluation per step.
+    for _ in range(n_golden):
+        left = f1 < f2
         hi, lo = np.where(left, x2, hi), np.where(left, lo, x1)
         xn = np.where(left, hi - g * (hi - lo), lo + g * (hi - lo))
         fn = sse(xn)
-        x1, x2, f1, f2 = (np.where(left, xn, x2), np.where(left, x1, xn),
-                          np.where(left, fn, f2), np.where(left, f1, fn))
+        x1, x2 = np.where(left, xn, x2), np.where(left, x1, xn)
+        f1, f2 = np.where(left, fn, f2), np.where(left, f1, fn)
     return np.exp(np.where(f1 < f2, x1, x2)), np.minimum(f1, f2)
-
 
 def _grid_search(a_vals, logcm_vals, logc, R, R0):
     """Every (A, C_mid) pair of the two grids; returns (A, B, log C_mid, sse) of the best cell."""
@@ -130,33 +116,10 @@ def _grid_search(a_vals, logcm_vals, logc, R, R0):
     i = sse.argmin()
     return A[i], B[i], L[i], sse[i]
 
-
-def _residuals_jac(p, logc, R0):
-    """Model and its Jacobian in the parameters (A, B, log C_mid): used by the bootstrap refits."""
-    A, B, L = p
-    s = expit(B * (logc - L))
-    ds = (A - R0) * s * (1 - s)
-    return R0 + (A - R0) * s, np.stack([s, ds * (logc - L), -ds * B], axis=1)
-
-
-def _bootstrap_a(p, logc, R, R0, bounds, n_boot, seed):
-    """Residual bootstrap: refit (from the best fit) to fitted curve + resampled residuals."""
-    fitted, _ = _residuals_jac(p, logc, R0)
-    resid, rng, a = R - fitted, np.random.default_rng(seed), []
-    p0 = np.clip(p, np.add(bounds[0], 1e-9), np.subtract(bounds[1], 1e-9))
-    for _ in range(n_boot):
-        y = fitted + rng.choice(resid, size=resid.size, replace=True)
-        sol = least_squares(lambda q: _residuals_jac(q, logc, R0)[0] - y, p0, bounds=bounds,
-                            jac=lambda q: _residuals_jac(q, logc, R0)[1])
-        a.append(sol.x[0])
-    return float(np.std(a)), (float(np.percentile(a, 5)), float(np.percentile(a, 95)))
-
-
-def fit_sigmoid(C, R, R0, c_min=None, c_max=None, method="grid", paper_grid=False, n_boot=100, seed=0,
-                fix_A=None):
-    """Fit A, B, C_mid with R0 fixed, on the points with C > 0 in [c_min, c_max] (choices 1, 2). n_boot
-    residual-bootstrap refits estimate the spread of A (0 skips them; ~0.2 s per 100 for 50 points). fix_A holds A
-    at that value and fits B, C_mid only (choice 4); the grid result is then final."""
+def fit_sigmoid(C, R, R0, c_min=None, c_max=None, method="grid", paper_grid=False, n_boot=100, seed=0, fix_A=None):
+    """Fit A, B, C_mid with R0 fixed, on the points with C > 0 in [c_min, c_max] (choices 1, 2). n_boot residual
+    bootstrap refits give the spread of A (0 skips them; ~0.2 s per 100 for 50 points). fix_A holds A at that value
+    and fits B, C_mid only (choice 4); the grid result is then final."""
     if method not in ("grid", "curve_fit"):
         raise ValueError(f"unknown method {method!r}: expected 'grid' or 'curve_fit'")
     if not 0 <= R0 < 1:
@@ -179,9 +142,9 @@ def fit_sigmoid(C, R, R0, c_min=None, c_max=None, method="grid", paper_grid=Fals
         l_vals = np.linspace(logc.min() - np.log(10), logc.max() + np.log(100), 61)
     A, B, L, sse = _grid_search(a_vals, l_vals, logc, R, R0)
     da, dl = (a_hi - a_lo) / 40, l_vals[1] - l_vals[0]
-    for _ in range(0 if paper_grid else 50):  # zoom the adaptive grid: 11 x 11 cells over +-2 steps around the
-        # best cell. A and C_mid trade off along a narrow valley: when the best cell is on the zoom's edge, follow
-        # the valley at the same step, otherwise halve the step, down to 1e-4 in log C_mid (about 1e-5 in A).
+    # Zoom the adaptive grid: 11 x 11 cells over +-2 steps around the best. A and C_mid trade off along a narrow valley:
+    # with the best cell on the edge, follow it at the same step, else halve the step, down to 1e-4 in log C_mid.
+    for _ in range(0 if paper_grid else 50):
         a_z = np.unique(np.clip(np.linspace(A - 2 * da, A + 2 * da, 11), a_lo, a_hi))
         l_z = np.linspace(L - 2 * dl, L + 2 * dl, 11)
         A, B, L, sse = _grid_search(a_z, l_z, logc, R, R0)
@@ -190,32 +153,44 @@ def fit_sigmoid(C, R, R0, c_min=None, c_max=None, method="grid", paper_grid=Fals
         if dl < 1e-4:
             break
     lo, hi = [R0, B_BOUNDS[0], min(l_vals.min(), L)], [1.0, B_BOUNDS[1], max(l_vals.max(), L)]
-    if method == "curve_fit" and fix_A is None:
+
+    def curve_jac(p):
+        s = expit(p[1] * (logc - p[2]))
+        ds = (p[0] - R0) * s * (1 - s)
+        return R0 + (p[0] - R0) * s, np.stack([s, ds * (logc - p[2]), -ds * p[1]], axis=1)
+
+    def refit(y):
+        # Least squares in (A, B, log C_mid) from the grid optimum: the curve_fit polish and every bootstrap refit.
         p0 = np.clip([A, B, L], np.add(lo, 1e-9), np.subtract(hi, 1e-9))
-        p, _ = curve_fit(lambda x, a, b, l: _residuals_jac((a, b, l), x, R0)[0], logc, R, p0=p0,
-                         bounds=(lo, hi), jac=lambda x, a, b, l: _residuals_jac((a, b, l), x, R0)[1])
-        cf_sse = float(((_residuals_jac(p, logc, R0)[0] - R) ** 2).sum())
-        if cf_sse <= sse:  # keep the grid optimum if the polish did not improve it
-            (A, B, L), sse = p, cf_sse
-    fit = SigmoidFit(float(A), float(B), float(np.exp(L)), float(R0), float(sse),
-                     float(np.sqrt(sse / len(C))), (float(C.min()), float(C.max())), len(C), method=method)
+        return least_squares(lambda p: curve_jac(p)[0] - y, p0, bounds=(lo, hi), jac=lambda p: curve_jac(p)[1]).x
+
+    if method == "curve_fit" and fix_A is None:
+        p = refit(R)
+        p_sse = float(((curve_jac(p)[0] - R) ** 2).sum())
+        # The polish replaces the grid optimum only if it improves on it.
+        if p_sse <= sse:
+            (A, B, L), sse = p, p_sse
+    fit = SigmoidFit(float(A), float(B), float(np.exp(L)), float(R0), float(sse), float(np.sqrt(sse / len(C))),
+                     (float(C.min()), float(C.max())), len(C), method=method)
     if fix_A is not None:
         fit.A_std, fit.A_ci = 0.0, (float(fix_A), float(fix_A))
     elif n_boot > 0:
-        fit.A_std, fit.A_ci = _bootstrap_a(np.array([A, B, L]), logc, R, R0, (lo, hi), n_boot, seed)
+        # Residual bootstrap: refit to the fitted curve plus resampled residuals.
+        fitted, rng = curve_jac([A, B, L])[0], np.random.default_rng(seed)
+        a = [refit(fitted + rng.choice(R - fitted, size=R.size))[0] for _ in range(n_boot)]
+        fit.A_std, fit.A_ci = float(np.std(a)), (float(np.percentile(a, 5)), float(np.percentile(a, 95)))
     return fit
-
 
 def fit_power_law(C, R, c_min=None, c_max=None):
     """R = A - D / C**B with A <= 1 (choice 5). Linear in (A, D) for a fixed B: solved in closed form on a log-grid
     of B, then B refined between the best value's grid neighbours."""
     C, R = _window(C, R, c_min, c_max)
 
-    def solve(b):  # scalar b -> (A, D, sse)
+    def solve(b):
         x = C ** -b
-        X = np.stack([np.ones_like(x), -x], axis=1)  # (N, 2)
-        (A, D), *_ = np.linalg.lstsq(X, R, rcond=None)
-        if A > 1.0:  # a pass rate cannot exceed 1: pin A and refit D alone
+        (A, D), *_ = np.linalg.lstsq(np.stack([np.ones_like(x), -x], axis=1), R, rcond=None)
+        # A pass rate cannot exceed 1: pin A and refit D alone.
+        if A > 1.0:
             A, D = 1.0, float(x @ (1.0 - R) / (x @ x))
         return A, D, float(((A - D * x - R) ** 2).sum())
 
@@ -224,19 +199,18 @@ def fit_power_law(C, R, c_min=None, c_max=None):
     lo, hi = grid[max(j - 1, 0)], grid[min(j + 1, len(grid) - 1)]
     B = float(np.exp(minimize_scalar(lambda g: solve(np.exp(g))[2], bounds=(lo, hi), method="bounded").x))
     A, D, sse = solve(B)
-    return PowerLawFit(float(A), float(D), B, sse, float(np.sqrt(sse / len(C))),
-                       (float(C.min()), float(C.max())), len(C))
-
+    return PowerLawFit(float(A), float(D), B, sse, float(np.sqrt(sse / len(C))), (float(C.min()), float(C.max())),
+                       len(C))
 
 @dataclass
 class ExtrapolationCheck:
+    """Errors on the points after the fit window; final_err is signed: prediction minus measurement."""
     fit: SigmoidFit
-    max_abs_err: float  # over the held-out points after the fit window
+    max_abs_err: float
     mean_abs_err: float
-    final_err: float  # signed: prediction minus measurement at the last point
+    final_err: float
     n_fit: int
     n_test: int
-
 
 def extrapolation_check(C, R, R0, fit_fraction=0.5, fit_until=None, **fit_kw):
     """Fit on C <= fit_until (default fit_fraction * max C, the paper's half budget), measure the prediction error
@@ -251,34 +225,34 @@ def extrapolation_check(C, R, R0, fit_fraction=0.5, fit_until=None, **fit_kw):
     return ExtrapolationCheck(fit, float(np.abs(err).max()), float(np.abs(err).mean()), float(err[-1]),
                               fit.n_points, int(test.sum()))
 
-
 def slope_transform(C, R, A, R0):
-    """(log C, log((R - R0) / (A - R))): on the fitted curve a line of slope B crossing 0 at log C_mid
-    (Fig. 7; the negative of log((A - R0) / (R - R0) - 1)). NaN where R is not strictly between R0 and A."""
+    """(log C, log((R - R0) / (A - R))): on the fitted curve a line of slope B crossing 0 at log C_mid (Fig. 7).
+    NaN where R is not strictly between R0 and A."""
     C, R = np.asarray(C, dtype=float), np.asarray(R, dtype=float)
     ok = (C > 0) & (R > R0) & (R < A)
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(C > 0, np.log(C), np.nan), np.where(ok, np.log((R - R0) / (A - R)), np.nan)
 
-
 def plot_runs(runs, path, power_law=False, fit_until=None, xlabel="compute (device-hours)"):
-    """Pass rate vs compute (log x) for several runs on one figure. runs: dicts with label, C, R, R0 and
-    optionally fit (SigmoidFit) and power (PowerLawFit); missing fits are made on C <= fit_until.
-    Solid: the fit window; dashed: the extrapolation; band: A +- 0.02 (the paper's noise margin)."""
-    from matplotlib.figure import Figure  # no pyplot: draws headless, leaves the caller's backend alone
+    """Pass rate vs log compute for several runs, written to path; returns the figure. runs: dicts with label, C, R,
+    R0 and optionally fit (SigmoidFit) and power (PowerLawFit); missing fits are made on C <= fit_until. Filled
+    points: the fit window; solid: the fit; dashed: the extrapolation; band: A +- 0.02, the noise margin."""
+    # No pyplot: draws headless and leaves the caller's backend alone.
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import LogFormatterSciNotation, LogLocator, NullFormatter
     fig = Figure(figsize=(7, 4.5))
     ax = fig.subplots()
     for i, run in enumerate(runs):
         color, C, R = f"C{i}", np.asarray(run["C"], dtype=float), np.asarray(run["R"], dtype=float)
         fit = run.get("fit") or fit_sigmoid(C, R, run["R0"], c_max=fit_until, n_boot=0)
         lo, hi = fit.window
-        inside = (C >= lo) & (C <= hi)  # fitted points filled, the others (early or held out) hollow
+        inside = (C >= lo) & (C <= hi)
         ax.scatter(C[inside], R[inside], s=12, color=color, alpha=0.7)
         ax.scatter(C[~inside & (C > 0)], R[~inside & (C > 0)], s=12, facecolors="none", edgecolors=color)
         x_in, x_out = np.geomspace(lo, hi, 200), np.geomspace(hi, max(C.max(), hi) * 4, 100)
         pm = f"+-{fit.A_std:.3f}" if np.isfinite(fit.A_std) else ""
-        label = f"{run['label']}: A={fit.A:.3f}{pm} B={fit.B:.2f} C_mid={fit.C_mid:.3g}"
-        ax.plot(x_in, fit.predict(x_in), color=color, label=label)
+        ax.plot(x_in, fit.predict(x_in), color=color,
+                label=f"{run['label']}: A={fit.A:.3f}{pm} B={fit.B:.2f} C_mid={fit.C_mid:.3g}")
         ax.plot(x_out, fit.predict(x_out), "--", color=color)
         ax.axhline(fit.A, color=color, lw=0.8, alpha=0.6)
         ax.axhspan(fit.A - NOISE_MARGIN, fit.A + NOISE_MARGIN, color=color, alpha=0.08)
@@ -287,46 +261,88 @@ def plot_runs(runs, path, power_law=False, fit_until=None, xlabel="compute (devi
             xs = np.concatenate([x_in, x_out])
             ax.plot(xs, np.minimum(pl.predict(xs), 1.0), ":", color=color, label=f"  power law: A={pl.A:.3f}")
     ax.set(xscale="log", xlabel=xlabel, ylabel="pass rate")
+    # Readable ticks: matplotlib labels every minor tick of an axis about a decade long, overlapping. Label the
+    # decades; with fewer than two in view, 1, 2, 5 x 10^k (1, 2, 3, 5 x 10^k on an axis under a decade).
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    c_lo, c_hi = np.log10(ax.get_xlim())
+    if np.floor(c_hi) - np.ceil(c_lo) < 1:
+        ax.xaxis.set_major_locator(LogLocator(subs=(1, 2, 5) if c_hi - c_lo >= 1 else (1, 2, 3, 5)))
+        ax.xaxis.set_major_formatter(LogFormatterSciNotation(labelOnlyBase=False, minor_thresholds=(np.inf, np.inf)))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    return fig
 
-
-def read_points(path, compute_key="device_hours", metric_key="pass_rate"):
-    """(C, R, r0_guess) from a metrics.jsonl (eval rows: those holding metric_key) or a CSV whose header names the
-    columns (headerless: compute,pass_rate). Only points with C > 0 are returned; r0_guess is R at compute 0 (None
-    if absent). A torn last jsonl line (a run killed mid-write) is skipped with a warning."""
-    if os.path.isdir(path):
-        path = os.path.join(path, "metrics.jsonl")
+def _log_lines(path):
+    """(path, its non-blank lines as (line number, text)); a run directory means its metrics.jsonl."""
+    path = os.path.join(path, "metrics.jsonl") if os.path.isdir(path) else path
     if not os.path.isfile(path):
         raise ValueError(f"{path}: no such file (expected a metrics.jsonl, a run directory or a CSV)")
     with open(path) as f:
-        lines = [(i + 1, s) for i, s in enumerate(f) if s.strip()]
-    rows = []
-    if path.lower().endswith(".csv"):
-        table = [(n, [c.strip() for c in next(csv.reader([line]))]) for n, line in lines]
-        names = table[0][1] if table and not any(map(_is_number, table[0][1])) else None  # a header: no numbers
-        cols, want = (0, 1), "two numbers 'compute,pass_rate'"  # a headerless file: compute, pass rate
-        if names:  # columns by name, as in a metrics.jsonl
-            cols, table = _csv_columns(path, names, compute_key, metric_key), table[1:]
-            want = f"numbers in columns {names[cols[0]]!r} and {names[cols[1]]!r}"
-        elif table and len(table[0][1]) != 2:
-            raise ValueError(f"{path}: {len(table[0][1])} columns and no header; add a header row naming the columns "
-                             "(then --compute and --metric pick them)")
-        for n, cells in table:
-            if len(cells) != len(names or cols) or not all(_is_number(cells[c]) for c in cols):
-                raise ValueError(f"{path}:{n}: expected {want}, got {','.join(cells)!r}")
-            rows.append((n, float(cells[cols[0]]), float(cells[cols[1]])))
-    else:
-        for n, line in lines:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                if n != lines[-1][0]:
-                    raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})")
+        return path, [(i + 1, s) for i, s in enumerate(f) if s.strip()]
+
+def _jsonl_rows(path, lines, strict=True):
+    """(line number, row) of a metrics.jsonl. strict: a bad line is an error, but for a torn last line (a run killed
+    mid-write), skipped with a warning; not strict: bad lines are skipped."""
+    for n, line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if strict and n != lines[-1][0]:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})")
+            if strict:
                 print(f"warning: {path}:{n}: ignoring a torn last line ({e.msg})", file=sys.stderr)
-                continue
+            continue
+        yield n, row
+
+def _is_number(cell):
+    try:
+        return float(cell) is not None
+    except ValueError:
+        return False
+
+def _csv_rows(path, lines, compute_key, metric_key):
+    """(line number, compute, metric) of a CSV by its header's column names; headerless (a first row of numbers):
+    compute,pass_rate. Without the default compute column, the one other column that could be compute (an index
+    such as `step` cannot) is taken, with a note."""
+    table = [(n, [c.strip() for c in next(csv.reader([line]))]) for n, line in lines]
+    header = bool(table) and not any(map(_is_number, table[0][1]))
+    if header:
+        names, table = table[0][1], table[1:]
+    elif table and len(table[0][1]) != 2:
+        raise ValueError(f"{path}: {len(table[0][1])} columns and no header; add a header row naming the columns "
+                         "(then --compute and --metric pick them)")
+    else:
+        names = [compute_key, metric_key]
+    index_names = ("", "step", "epoch", "index", "iter", "iteration")
+    others = [c for c in names if c != metric_key and c.lower() not in index_names]
+    if compute_key not in names and compute_key == "device_hours" and len(others) == 1:
+        compute_key = others[0]
+        # The documented `compute,pass_rate` is taken silently.
+        if compute_key != "compute":
+            print(f"note: {path}: no column 'device_hours'; using {compute_key!r} as compute", file=sys.stderr)
+    option = f"--compute={others[0]}" if len(others) == 1 else f"--compute with one of {', '.join(others)}"
+    for key, option in ((metric_key, "--metric=NAME"), (compute_key, option if others else "--compute=NAME")):
+        if key not in names:
+            raise ValueError(f"{path} has no column {key!r} (columns: {', '.join(names)}); pass {option}")
+    cols = names.index(compute_key), names.index(metric_key)
+    want = f"numbers in columns {compute_key!r} and {metric_key!r}" if header else "two numbers 'compute,pass_rate'"
+    for n, cells in table:
+        if len(cells) != len(names) or not all(_is_number(cells[c]) for c in cols):
+            raise ValueError(f"{path}:{n}: expected {want}, got {','.join(cells)!r}")
+        yield n, float(cells[cols[0]]), float(cells[cols[1]])
+
+def read_points(path, compute_key="device_hours", metric_key="pass_rate"):
+    """(C, R, r0_guess) from a metrics.jsonl (eval rows: those holding metric_key) or a CSV (columns by name,
+    headerless: compute,pass_rate). Only points with C > 0 are returned; r0_guess is R at compute 0 (None if absent).
+    A torn last jsonl line (a run killed mid-write) is skipped with a warning."""
+    path, lines = _log_lines(path)
+    if path.lower().endswith(".csv"):
+        rows = list(_csv_rows(path, lines, compute_key, metric_key))
+    else:
+        rows = []
+        for n, row in _jsonl_rows(path, lines):
             if isinstance(row, dict) and metric_key in row:
                 if not all(isinstance(row.get(k), (int, float)) for k in (compute_key, metric_key)):
                     raise ValueError(f"{path}:{n}: eval row needs numbers {compute_key!r} and {metric_key!r}")
@@ -342,38 +358,16 @@ def read_points(path, compute_key="device_hours", metric_key="pass_rate"):
     r0 = float(R[C == 0][0]) if np.any(C == 0) else None
     return C[C > 0], R[C > 0], r0
 
-
-def _is_number(cell):
-    try:
-        float(cell)
-    except ValueError:
-        return False
-    return True
-
-
-def _csv_columns(path, names, compute_key, metric_key):
-    """(compute, metric) column indices of a CSV header, by name. Without the default compute column, the one other
-    column that could be compute (an index such as `step` cannot) is taken, with a note."""
-    def missing(key, option):
-        return ValueError(f"{path} has no column {key!r} (columns: {', '.join(names)}); pass {option}")
-    if metric_key not in names:
-        raise missing(metric_key, "--metric=NAME")
-    others = [c for c in names if c != metric_key and c.lower() not in ("", "step", "epoch", "index", "iter",
-                                                                          "iteration")]
-    if compute_key not in names:
-        if compute_key != "device_hours" or len(others) != 1:
-            raise missing(compute_key, f"--compute={others[0]}" if len(others) == 1 else
-                          f"--compute with one of {', '.join(others)}" if others else "--compute=NAME")
-        if others[0] != "compute":  # `compute,pass_rate`, the documented CSV, is taken silently
-            print(f"note: {path}: no column 'device_hours'; using {others[0]!r} as compute", file=sys.stderr)
-        compute_key = others[0]
-    return names.index(compute_key), names.index(metric_key)
-
+def per_task_metrics(path):
+    """The `pass_rate_<task>` columns of a run's metrics.jsonl, in order of first appearance."""
+    rows = [row for _, row in _jsonl_rows(*_log_lines(path), strict=False) if isinstance(row, dict)]
+    return list(dict.fromkeys(k for row in rows for k in row if k.startswith("pass_rate_")))
 
 def analyze(paths, plot=None, fit_until=None, c_min=None, r0=None, power_law=False, metric_key="pass_rate",
             compute_key="device_hours"):
     """The report on every run: the fit, A's bootstrap spread, the extrapolation check. paths: run directories or
-    files, or (path, metric) for one task's curve of a multi-task run."""
+    files, or (path, metric) for one task's curve of a multi-task run. A run too short to fit is noted under the
+    table; it is an error only if no run can be fitted."""
     runs, skipped, notes = [], [], []
     table = [f"{'run':<28} {'n':>4} {'window':>19} {'R0':>6} {'A':>6} {'A 90% (boot)':>13} {'B':>5} {'C_mid':>9} "
              f"{'rmse':>7}"]
@@ -383,13 +377,14 @@ def analyze(paths, plot=None, fit_until=None, c_min=None, r0=None, power_law=Fal
         R0 = r0 if r0 is not None else r0_guess
         if R0 is None:
             raise ValueError(f"{p}: no point at compute 0 to take R0 from; add one or pass --r0")
-        q = os.path.normpath(p)  # label: the run directory's name, or the file name of a CSV
+        # The label: the run directory's name or the file name of a CSV, and the task of a per-task curve.
+        q = os.path.normpath(p)
         label = os.path.basename(os.path.dirname(q) if q.endswith("metrics.jsonl") else q) or p
         label += f":{key[len('pass_rate_'):]}" if key != metric_key and key.startswith("pass_rate_") else ""
         try:
             fit = fit_sigmoid(C, R, R0, c_min=c_min, c_max=fit_until)
             power = fit_power_law(C, R, c_min=c_min, c_max=fit_until) if power_law else None
-        except TooFewPoints as e:  # noted under the table; an error only if no run can be fitted
+        except TooFewPoints as e:
             skipped.append((p, label, e))
             continue
         except ValueError as e:
@@ -413,27 +408,14 @@ def analyze(paths, plot=None, fit_until=None, c_min=None, r0=None, power_law=Fal
         if power is not None:
             notes.append(f"  power law R = A - D/C^B: A={power.A:.3f} D={power.D:.3g} B={power.B:.3f} "
                          f"rmse={power.rmse:.4f} (A {power.A - fit.A:+.3f} vs the sigmoid)")
-    if not runs:  # nothing to report: the error, word for word as for a single run
+    # Nothing to report: the errors, word for word as for a single run.
+    if not runs:
         raise ValueError("; ".join(dict.fromkeys(f"{p}: {e}" for p, _, e in skipped)))
     out = table + [f"{label}: skipped: {e}" for _, label, e in skipped] + notes
     if plot:
         plot_runs(runs, plot, power_law=power_law, fit_until=fit_until, xlabel=f"compute ({compute_key})")
         out.append(f"\nwrote {plot}")
     return "\n".join(out)
-
-
-def per_task_metrics(path):
-    """The `pass_rate_<task>` columns of a run's metrics.jsonl, in order of first appearance."""
-    keys = {}
-    with open(os.path.join(path, "metrics.jsonl") if os.path.isdir(path) else path) as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn last line; read_points warns about it
-            keys.update(dict.fromkeys(k for k in row if k.startswith("pass_rate_")) if isinstance(row, dict) else {})
-    return list(keys)
-
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Fit the ScaleRL compute-performance sigmoid to run logs.")
@@ -460,7 +442,6 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -25,6 +25,7 @@ import losses  # noqa: E402
 import pipeline_rl  # noqa: E402
 import scalerl  # noqa: E402
 import trainer  # noqa: E402
+from infra import sources  # noqa: E402
 
 
 def sample(cfg, model, tok, val, n):
@@ -66,8 +67,8 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(2)
     cfg = scalerl.parse_args([f"--eval_prompts={args.prompts}"])
-    train, val, tasks = scalerl.load_data(cfg)
-    model, tok = scalerl.load_model(cfg, tasks)
+    train, val, tasks = sources.load_data(cfg)
+    model, tok = sources.load_model(cfg, tasks)
     trainer.warm_start(cfg, model, tok, "out")
     print(f"{'generator':>10} {'trainer':>9} | {'mean |dlogp|':>12} {'max |dlogp|':>11} | {'GSPO clip':>9} | tokens")
     for body, hows in (("float32", ("fp32",)), ("bfloat16", ("autocast", "mixed"))):

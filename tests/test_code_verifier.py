@@ -1,4 +1,4 @@
-"""The code verifier and the math+code mixture (data.py's code section), and per-task curves.
+"""The code verifier (infra/sandbox.py), the built-in code task (data.py), the math+code mixture, per-task curves.
 
 1. An adversarial table for `check_program`: each hostile program (endless loop, fork bomb, memory hog, huge output,
    writes outside its directory, reads of secrets in the environment and in files, network, killing its parent,
@@ -26,7 +26,9 @@ import time
 import pytest
 
 import data
+import pipeline_rl
 import sigmoid_fit
+from infra import sandbox, sources
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIMIT, SLACK = 1.0, 3.0  # hostile programs: seconds per test; slack for start-up and cleanup on a busy machine
@@ -38,7 +40,7 @@ MANY = [(f"{i} 1\n", f"{i + 1}\n") for i in range(40)]  # 16 tests per sandboxed
 
 def sandbox_processes():
     """Live processes of this host's sandbox uids (a uid per concurrent check) or, without them, its descendants."""
-    mode = data.sandbox_mode()
+    mode = sandbox.sandbox_mode()
     base = 1_000_000 + os.getpid() % 4_000_000 * 64
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -57,16 +59,16 @@ def box_dir(tmp_path, monkeypatch):
     """Sandboxes' temporary directories go under tmp_path/boxes, so the test can see that they are removed."""
     boxes = tmp_path / "boxes"
     boxes.mkdir()
-    monkeypatch.setattr(data.tempfile, "tempdir", str(boxes))
+    monkeypatch.setattr(sandbox.tempfile, "tempdir", str(boxes))
     return boxes
 
 
 def test_sandbox_is_available():
-    mode = data.sandbox_mode()
+    mode = sandbox.sandbox_mode()
     assert mode is not None, "no sandbox works on this machine"
     if os.geteuid() == 0:
         assert mode[1], "as root, programs must run under a uid of their own"
-    assert data.check_program(ADD, ADD_TESTS, OK_LIMIT)
+    assert sandbox.check_program(ADD, ADD_TESTS, OK_LIMIT)
 
 
 SECRET = "hunter2-not-a-real-secret"
@@ -151,11 +153,11 @@ def watch(path, seen, done):
                          + [pytest.param(n, False, id=n + ", no hook") for n in KERNEL_ONLY])
 def test_hostile_program_fails_and_leaves_nothing(name, hook, tmp_path, box_dir, monkeypatch):
     if name in FILES or not hook:  # file isolation is the kernel's (Landlock); without it, sandbox_mode warned
-        if not data.sandbox_mode()[2]:
+        if not sandbox.sandbox_mode()[2]:
             pytest.skip("no Landlock here: files outside are guarded by the uid and the audit hook only")
     if not hook:
-        assert "sys.addaudithook(hook)\n" in data._BOOT
-        monkeypatch.setattr(data, "_BOOT", data._BOOT.replace("sys.addaudithook(hook)\n", ""))
+        assert "sys.addaudithook(hook)\n" in sandbox._BOOT
+        monkeypatch.setattr(sandbox, "_BOOT", sandbox._BOOT.replace("sys.addaudithook(hook)\n", ""))
     monkeypatch.setenv("SCALERL_FAKE_SECRET", SECRET)
     secret_file = tmp_path / "secret.txt"
     secret_file.write_text(SECRET)
@@ -180,7 +182,7 @@ def test_hostile_program_fails_and_leaves_nothing(name, hook, tmp_path, box_dir,
     watcher.start()
     t0 = time.time()
     try:
-        ok = data.check_program(program, [("1 2\n", expected(name))], LIMIT)
+        ok = sandbox.check_program(program, [("1 2\n", expected(name))], LIMIT)
         took = time.time() - t0
         done.set()
         watcher.join()
@@ -202,22 +204,22 @@ def test_hostile_program_fails_and_leaves_nothing(name, hook, tmp_path, box_dir,
         for path in (canary, public, "/dev/shm" + public[4:]):
             if os.path.lexists(path):
                 os.remove(path)
-    assert data.check_program(ADD, ADD_TESTS, OK_LIMIT), f"{name}: the next verification failed"
+    assert sandbox.check_program(ADD, ADD_TESTS, OK_LIMIT), f"{name}: the next verification failed"
 
 
 def test_sandbox_says_what_confines_it_and_what_is_missing(monkeypatch, capsys):
-    mode, text = data.sandbox_mode(), data.sandbox_description()
+    mode, text = sandbox.sandbox_mode(), sandbox.sandbox_description()
     assert text.endswith("audit hook") and ("Landlock ABI" in text) == mode[2] and ("net, pid" in text) == bool(mode[0])
-    monkeypatch.setattr(data, "_SANDBOX_MODE", [])  # a kernel without Landlock: the next mode, said once
-    monkeypatch.setattr(data, "_BOOT", data._BOOT.replace("abi = libc.syscall(444, None, 0, 1)", "abi = -1"))
-    assert data.sandbox_mode() == (mode[0], mode[1], False) == data.sandbox_mode()
+    monkeypatch.setattr(sandbox, "_SANDBOX_MODE", [])  # a kernel without Landlock: the next mode, said once
+    monkeypatch.setattr(sandbox, "_BOOT", sandbox._BOOT.replace("abi = libc.syscall(444, None, 0, 1)", "abi = -1"))
+    assert sandbox.sandbox_mode() == (mode[0], mode[1], False) == sandbox.sandbox_mode()
     assert capsys.readouterr().err.count("warning: the code sandbox runs without Landlock") == 1
-    assert "no Landlock" in data.sandbox_description() and data.check_program(ADD, ADD_TESTS, OK_LIMIT)
+    assert "no Landlock" in sandbox.sandbox_description() and sandbox.check_program(ADD, ADD_TESTS, OK_LIMIT)
 
 
 def test_good_program_that_leaves_a_process_passes_and_is_cleaned_up(box_dir):
     program = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\n    os._exit(0)\nprint(5)\n"
-    assert data.check_program(program, [("\n", "5"), ("\n", "5")], OK_LIMIT)
+    assert sandbox.check_program(program, [("\n", "5"), ("\n", "5")], OK_LIMIT)
     time.sleep(0.05)
     assert sandbox_processes() == [] and os.listdir(box_dir) == []
 
@@ -235,22 +237,22 @@ def test_good_program_that_leaves_a_process_passes_and_is_cleaned_up(box_dir):
     (ADD, MANY, True), (ADD.replace("a+b", "a+b if a != 35 else 0"), MANY, False),  # wrong in the third interpreter
 ])
 def test_right_and_wrong_programs(program, tests, want):
-    assert data.check_program(program, tests, OK_LIMIT) is want
+    assert sandbox.check_program(program, tests, OK_LIMIT) is want
 
 
 def test_checks_run_in_parallel():
     slow = "import time\ntime.sleep(1.5)\na,b=map(int,input().split())\nprint(a+b)\n"
     t0 = time.time()
-    assert data.parallel_map(lambda _: data.check_program(slow, ADD_TESTS[:1], OK_LIMIT), range(4)) == [True] * 4
+    assert data.parallel_map(lambda _: sandbox.check_program(slow, ADD_TESTS[:1], OK_LIMIT), range(4)) == [True] * 4
     assert data.CODE_WORKERS >= 4 and time.time() - t0 < 4 * 1.5  # side by side, not one after another
 
 
 def test_checks_from_many_threads_do_not_mix():
     programs = [(f"print(int(input()) + {k})\n", [(f"{i}\n", f"{i + k}\n") for i in range(3)]) for k in range(12)]
-    out = data.parallel_map(lambda pt: data.check_program(pt[0], pt[1], OK_LIMIT), programs)
+    out = data.parallel_map(lambda pt: sandbox.check_program(pt[0], pt[1], OK_LIMIT), programs)
     assert out == [True] * 12
     swapped = [(programs[k][0], programs[(k + 1) % 12][1]) for k in range(12)]
-    assert data.parallel_map(lambda pt: data.check_program(pt[0], pt[1], OK_LIMIT), swapped) == [False] * 12
+    assert data.parallel_map(lambda pt: sandbox.check_program(pt[0], pt[1], OK_LIMIT), swapped) == [False] * 12
 
 # ---------------------------------------------------------------------------------------------------------------------
 # 2. The built-in code task
@@ -268,10 +270,10 @@ def computes(p):
 
 def test_builtin_reference_programs_pass_and_slipped_ones_fail():
     good = data.code_problems(40, seed=3)
-    assert [data.check_program(program_of(p), data.code_tests(p.answer), OK_LIMIT) for p in good] == [True] * 40
+    assert [sandbox.check_program(program_of(p), data.code_tests(p.answer), OK_LIMIT) for p in good] == [True] * 40
     bad = data.code_problems(40, seed=3, error_rate=1.0)  # the same questions, every step slipped
     assert [p.question for p in bad] == [p.question for p in good]
-    verdicts = [data.check_program(program_of(p), data.code_tests(p.answer), OK_LIMIT) for p in bad]
+    verdicts = [sandbox.check_program(program_of(p), data.code_tests(p.answer), OK_LIMIT) for p in bad]
     assert verdicts == [computes(p) for p in bad]  # slips that cancel ("5b-5b" -> "5a-5a") are still right
     assert verdicts.count(False) >= 36
 
@@ -288,13 +290,13 @@ def test_builtin_code_task_shape():
             data.CODE_CHARS + data.ARITH_CHARS)
         assert len(program_of(p)) < data.CODE_ANSWER_TOKENS
         assert len(data.code_tests(p.answer)) == 3
-    train, val = data.load_problems("code", n_val=40, n_train=200)
+    train, val = sources.load_problems("code", n_val=40, n_train=200)
     assert not {p.question for p in train} & {p.question for p in val}  # the hashed split
     assert not {p.id for p in train} & {p.id for p in val}
     with pytest.raises(ValueError, match="code levels"):
         data.code_problems(3, levels=(4,))
     with pytest.raises(ValueError, match="unknown options"):
-        data.load_problems("code", n_val=2, nope=1)
+        sources.load_problems("code", n_val=2, nope=1)
 
 
 @pytest.mark.parametrize("completion, want", [
@@ -325,7 +327,7 @@ def test_deepcoder_style_file(tmp_path):
     rows.append(dict(problem="Broken tests.", tests="{not json"))
     path = tmp_path / "code.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    train, val = data.load_problems(str(path), n_val=2, seed=0)
+    train, val = sources.load_problems(str(path), n_val=2, seed=0)
     ps = train + val
     assert len(ps) == 9 and all(p.task == "code" and p.question.endswith(data.CODE_INSTRUCTION) for p in ps)
     taco = next(p for p in ps if p.question.startswith("TACO"))
@@ -336,36 +338,36 @@ def test_deepcoder_style_file(tmp_path):
     assert data.reward(p, good) == 1.0 and data.reward(p, good.replace("+ 4", "+ 5")) == -1.0
     (tmp_path / "none.jsonl").write_text(json.dumps(dict(problem="x", tests="[]")) + "\n")
     with pytest.raises(ValueError, match="no row has stdin/stdout tests"):
-        data.load_problems(str(tmp_path / "none.jsonl"), n_val=1)
+        sources.load_problems(str(tmp_path / "none.jsonl"), n_val=1)
 
 
 def test_combine_keeps_ids_unique_and_tasks():
-    train, val = data.combine([data.load_problems("arith", n_val=10, n_train=50),
-                               data.load_problems("code", n_val=10, n_train=50)])
+    train, val = sources.combine([sources.load_problems("arith", n_val=10, n_train=50),
+                               sources.load_problems("code", n_val=10, n_train=50)])
     ids = [p.id for p in train + val]
     assert len(ids) == len(set(ids)) == 120
     assert [p.task for p in val] == ["arith"] * 10 + ["code"] * 10
-    assert data.combine([data.load_problems("arith", n_val=10, n_train=50)]) == data.load_problems(
+    assert sources.combine([sources.load_problems("arith", n_val=10, n_train=50)]) == sources.load_problems(
         "arith", n_val=10, n_train=50)
 
 
 @pytest.mark.parametrize("code_share", [0.25, 0.5, 0.8])
 def test_mixture_sampler_keeps_its_shares(code_share):
-    train, _ = data.combine([data.load_problems("arith", n_val=10, n_train=300),
-                             data.load_problems("code", n_val=10, n_train=300)])
-    pool = data.MixedPool(train, {"arith": 1 - code_share, "code": code_share}, seed=0)
+    train, _ = sources.combine([sources.load_problems("arith", n_val=10, n_train=300),
+                             sources.load_problems("code", n_val=10, n_train=300)])
+    pool = pipeline_rl.MixedPool(train, {"arith": 1 - code_share, "code": code_share}, seed=0)
     draws = [pool.next().task for _ in range(400)]
     for k in range(0, 400, 16):  # every batch of 16 prompts holds the share, to within one prompt
         assert abs(draws[k:k + 16].count("code") - 16 * code_share) <= 1
     assert abs(draws.count("code") - 400 * code_share) <= 1
-    only = data.MixedPool(train, {"arith": 1.0, "code": 0.0})
+    only = pipeline_rl.MixedPool(train, {"arith": 1.0, "code": 0.0})
     assert {only.next().task for _ in range(50)} == {"arith"}
 
 
 def test_mixture_keeps_a_curriculum_per_task():
-    train, _ = data.combine([data.load_problems("arith", n_val=5, n_train=20),
-                             data.load_problems("code", n_val=5, n_train=20)])
-    pool = data.MixedPool(train, {"arith": 0.5, "code": 0.5}, seed=0)
+    train, _ = sources.combine([sources.load_problems("arith", n_val=5, n_train=20),
+                             sources.load_problems("code", n_val=5, n_train=20)])
+    pool = pipeline_rl.MixedPool(train, {"arith": 0.5, "code": 0.5}, seed=0)
     seen = [pool.next() for _ in range(40)]  # one epoch of each task
     for p in seen:  # every code prompt passes every time: NPR retires all of them, zero-variance drops their groups
         assert pool.record(p.id, [1.0] * 4 if p.task == "code" else [1.0, -1.0, -1.0, -1.0]) is (p.task != "code")
@@ -374,13 +376,13 @@ def test_mixture_keeps_a_curriculum_per_task():
     with pytest.raises(RuntimeError, match="No-Positive-Resampling"):
         [pool.next() for _ in range(40)]  # the code pool is empty in its next epoch
     state = pool.state_dict()
-    again = data.MixedPool(train, {"arith": 0.5, "code": 0.5}, seed=0)
+    again = pipeline_rl.MixedPool(train, {"arith": 0.5, "code": 0.5}, seed=0)
     again.load_state_dict(json.loads(json.dumps(state)))
     assert again.state_dict() == json.loads(json.dumps(state))
     with pytest.raises(KeyError):
         pool.record(10 ** 9, [1.0, -1.0])
     with pytest.raises(ValueError, match="tasks"):
-        data.MixedPool(train, {"arith": 1.0}).load_state_dict(state)
+        pipeline_rl.MixedPool(train, {"arith": 1.0}).load_state_dict(state)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # 4. One curve per task

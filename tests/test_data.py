@@ -1,4 +1,5 @@
-"""Tests for data.py: the built-in task, prompt format, rewards, sources and the PromptPool curriculum.
+"""Tests for data.py (the built-in task, prompt format, rewards), infra/sources.py (sources, the math and
+reasoning-gym checkers) and pipeline_rl.PromptPool (the curriculum).
 
 Run: python -m pytest tests/test_data.py -q   (offline; about half a minute on a laptop CPU)
 """
@@ -9,8 +10,10 @@ import time
 import pytest
 
 import data
-from data import (ARITH_CHARS, INTERRUPT_PHRASE, THINK_CLOSE, THINK_OPEN, Problem, PromptPool, arith_problems,
-                  extract_answer, format_prompt, format_target, load_problems, reward)
+from data import (ARITH_CHARS, INTERRUPT_PHRASE, THINK_CLOSE, THINK_OPEN, Problem, arith_problems, extract_answer,
+                  format_prompt, format_target, reward)
+from infra.sources import last_boxed, load_problems
+from pipeline_rl import PromptPool
 
 
 def naive_steps(p):
@@ -265,8 +268,8 @@ def test_presets_from_local_copies(tmp_path):
     p = val[0]
     assert p.answer == f"\\frac{{{p.question.split()[0][1:]}}}{{7}}"
     assert reward(p, f"</think>\\boxed{{{p.answer}}}") == 1.0
-    assert data.last_boxed("a \\boxed{x} b \\boxed{\\frac{1}{2}} c") == "\\frac{1}{2}"
-    assert data.last_boxed("\\boxed{unclosed") is None and data.last_boxed("none") is None
+    assert last_boxed("a \\boxed{x} b \\boxed{\\frac{1}{2}} c") == "\\frac{1}{2}"
+    assert last_boxed("\\boxed{unclosed") is None and last_boxed("none") is None
 
 
 @pytest.mark.parametrize("source", ["polaris", "gsm8k", "someone/no-such-dataset"])
@@ -376,7 +379,7 @@ def test_pool_zero_variance_filter():
     assert off.record(100, [1, 1]) is True and off.zero_var_dropped == 0
     with pytest.raises(KeyError):
         pool.record(7, [1])
-    with pytest.raises(ValueError):
+    with pytest.raises(AssertionError):  # an internal invariant: the pipeline never records an empty group
         pool.record(100, [])
 
 

@@ -21,6 +21,7 @@ import torch
 
 import scalerl
 import trainer
+from infra import sources
 from conftest import one_line_error, read_jsonl, run_command, scalerl_command, tree_hashes
 
 pytestmark = pytest.mark.slow
@@ -84,7 +85,7 @@ def test_own_model_and_data_train_and_export(run):
     # the export gives the trainer's logprobs (FP32 head) on a real sequence
     ids = torch.tensor([tok("Q: Tom has 3 apples <think> 3 + 4 = 7 </think> 7")["input_ids"]])
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
-    mine, _ = scalerl.load_model(scalerl.Config(**meta["config"]), ["math"])
+    mine, _ = sources.load_model(scalerl.Config(**meta["config"]), ["math"])
     mine.load_state_dict(ckpt["model"])
     want = trainer.Policy(mine, 1.0, torch.float32)(ids, torch.ones_like(ids))
     got = torch.log_softmax(model(ids).logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]

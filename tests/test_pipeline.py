@@ -16,6 +16,7 @@ import losses
 import pipeline_rl
 import scalerl
 import trainer
+from engine import Sample, TorchEngine, slot_attention
 
 EOS, CLOSE, PHRASE = 1, 4, [7, 8, 9, 4]  # token ids: end of sequence, </think>, the interruption phrase
 
@@ -29,13 +30,13 @@ def tiny_model(seed=0, vocab=24):
 
 
 def engine(model, slots=8, think=(10, 14), answer=5, interrupt=True, seed=0, **kw):
-    return pipeline_rl.TorchEngine(model, slots=slots, max_prompt=8, think_budget=think, answer_budget=answer,
-                                   eos_id=EOS, think_close_ids=[CLOSE], interrupt_ids=PHRASE if interrupt else None,
-                                   seed=seed, **kw)
+    return TorchEngine(model, slots=slots, max_prompt=8, think_budget=think, answer_budget=answer,
+                       eos_id=EOS, think_close_ids=[CLOSE], interrupt_ids=PHRASE if interrupt else None,
+                       seed=seed, **kw)
 
 
 def templates(n, start=0):
-    return [pipeline_rl.Sample(i, start + i, [5 + i % 7, 6, 2 + i % 3][: 2 + i % 2]) for i in range(n)]
+    return [Sample(i, start + i, [5 + i % 7, 6, 2 + i % 3][: 2 + i % 2]) for i in range(n)]
 
 
 def trainer_logprobs(model, s):
@@ -239,23 +240,23 @@ def test_continuous_batching_refills_slots_and_shares_prefill():
         free = ~torch.tensor(s.forced)
         assert (trainer_logprobs(m, s) - torch.tensor(s.logprobs))[free].abs().max() < 2e-5
     with pytest.raises(ValueError, match="max_prompt"):
-        eng.add(pipeline_rl.Sample(0, 99, [5] * 9), 1)
+        eng.add(Sample(0, 99, [5] * 9), 1)
 
 
 def test_shared_forwards_keep_logprobs_exact(monkeypatch):
     """Prompts admitted together share one right-padded prefill, slots interrupted together one phrase write, running
     slots move down as others finish, decode attention reads per-row horizons: still the trainer's numbers."""
     seen = dict(prefill=0, phrase=0, horizons=0)
-    attend = pipeline_rl.slot_attention
+    attend = slot_attention
 
     def spy(module, query, key, value, mask, horizon=None, **kw):
         seen["horizons"] += horizon is not None
         return attend(module, query, key, value, mask, horizon=horizon, **kw)
-    monkeypatch.setattr(pipeline_rl, "slot_attention", spy)  # registered when the engine is built
+    monkeypatch.setattr("engine.slot_attention", spy)  # registered when the engine is built
     m = tiny_model()
     phrase = [7, 8, 9] * 6 + [CLOSE]  # long enough that interrupted slots read far more keys than the others
-    eng = pipeline_rl.TorchEngine(copy.deepcopy(m), slots=8, max_prompt=8, think_budget=(3, 5), answer_budget=6,
-                                  eos_id=EOS, think_close_ids=[CLOSE], interrupt_ids=phrase)
+    eng = TorchEngine(copy.deepcopy(m), slots=8, max_prompt=8, think_budget=(3, 5), answer_budget=6,
+                      eos_id=EOS, think_close_ids=[CLOSE], interrupt_ids=phrase)
     forward = eng._forward
 
     def counting(rows, tokens, pos):

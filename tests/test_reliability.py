@@ -28,6 +28,7 @@ import data
 import pipeline_rl
 import scalerl
 import trainer
+from infra import sources
 from conftest import (ENV, ROOT, TIMING, one_line_error, read_jsonl, run_command, scalerl_command,
                       torchrun_command, tree_hashes)
 
@@ -171,7 +172,7 @@ def test_prompts_that_cannot_be_built_are_skipped_and_counted(base, monkeypatch,
             raise UnicodeError("cannot encode this item")
         return real(question, tokenizer)
     tok = data.char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=")
-    train, val = data.load_problems("arith", n_val=8, n_train=200)
+    train, val = sources.load_problems("arith", n_val=8, n_train=200)
     lengths = sorted(len(data.encode(tok, real(p.question, tok))) for p in train + val)
     limit = lengths[len(lengths) * 3 // 4]  # a quarter of the items are too long
     monkeypatch.setattr(data, "format_prompt", broken)

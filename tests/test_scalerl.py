@@ -1,6 +1,8 @@
-"""The main job, in layers: config parsing in-process, then real `python scalerl.py` runs with the `smoke` preset.
+"""The main job, in layers: config parsing in-process (infra/cli.py), then real `python scalerl.py` runs with
+the `smoke` preset.
 
-1. parse_args: every bad input exits with code 2 and one line naming the option; good inputs in both forms.
+1. parse_args: every bad input exits with code 2 and one line naming the option; good inputs in both forms; --help
+   lists every option with its default and its whole comment, by section.
 2. A fresh smoke run: the metrics log, the config record and the checkpoint have the promised shape.
 3. An existing run directory without --resume is refused and left byte-for-byte unchanged.
 4. Resume: 2 steps, then --resume to 4 steps gives one seamless log; --resume without a checkpoint is refused.
@@ -9,7 +11,8 @@
 All runs share one temporary base directory, so the supervised warm start is computed once and then read from
 its cache (`<base>/warmstart/`). Run: python -m pytest tests/test_scalerl.py (add `-m "not slow"` to skip the runs).
 """
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, fields
+import inspect
 import json
 import math
 import os
@@ -18,6 +21,7 @@ import pytest
 import torch
 
 import scalerl
+from infra import cli
 from conftest import TIMING, one_line_error, read_jsonl, run_command, scalerl_command, tree_hashes
 
 METRIC_NAMES = {"step", "device_hours", "policy_version", "reward", "loss", "clip_frac", "mismatch_kl", "lag_mean",
@@ -106,14 +110,14 @@ def test_an_option_newer_than_the_run_counts_as_its_default(tmp_path, capsys):
     del saved["rl_seed"]
     (tmp_path / "config.json").write_text(json.dumps({"config": saved}))
     with pytest.raises(SystemExit):
-        scalerl.restore_options(scalerl.Config(), tmp_path / "config.json", {"rl_seed": 1})
+        cli.restore_options(scalerl.Config(), tmp_path / "config.json", {"rl_seed": 1})
     assert "--rl_seed=1 does not fit this run (it was started with -1" in capsys.readouterr().err
-    assert scalerl.restore_options(scalerl.Config(), tmp_path / "config.json", {"rl_seed": -1}).rl_seed == -1
+    assert cli.restore_options(scalerl.Config(), tmp_path / "config.json", {"rl_seed": -1}).rl_seed == -1
 
 
 @pytest.mark.parametrize("preset", list(scalerl.PRESETS))
 def test_every_preset_passes_the_option_checks(preset):
-    scalerl.validate(scalerl.parse_args(["--config", preset]))
+    cli.validate(scalerl.parse_args(["--config", preset]))
 
 
 def test_preset_then_overrides():
@@ -128,6 +132,45 @@ def test_preset_then_overrides():
         cfg = scalerl.parse_args(argv)
         assert cfg.max_steps == 3
         assert all(getattr(cfg, k) == v for k, v in smoke.items() if k != key)
+
+
+@dataclass
+class Toy:
+    """A config for the --help reader: two sections and a comment continued on the next line."""
+    # first section
+    a: int = 1             # the a,
+                           # continued here
+    b: str = "x"           # the b
+    # second section
+    c: bool = False        # the c
+
+
+def test_help_reads_sections_and_continued_comments(capsys):
+    assert cli.comments(Toy) == {"a": ("first section", "the a, continued here"), "b": ("first section", "the b"),
+                                 "c": ("second section", "the c")}
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["--help"], Toy, {"tiny": {}, "hub": {}})
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    order = ["# first section", "--a=1", "the a, continued here", '--b="x"', "# second section", "--c=False"]
+    assert [out.index(text) for text in order] == sorted(out.index(text) for text in order), out
+
+
+def test_help_lists_every_option_with_its_comment(capsys):
+    """--help (in-process) names every preset and every Config field with its default and its whole comment,
+    the comment-only lines that continue it included."""
+    with pytest.raises(SystemExit) as e:
+        scalerl.parse_args(["--help"])
+    assert e.value.code == 0
+    # long comments wrap in the help
+    out = " ".join(capsys.readouterr().out.split())
+    docs = cli.comments(scalerl.Config)
+    for f in fields(scalerl.Config):
+        assert docs[f.name][1] and f"--{f.name}=" in out and docs[f.name][1] in out, f.name
+    assert all(name in out for name in scalerl.PRESETS)
+    continued = [line.strip()[1:].strip() for line in inspect.getsource(scalerl.Config).splitlines()
+                 if line.strip().startswith("#") and line.startswith(" " * 8)]
+    assert all(any(text in doc for _, doc in docs.values()) for text in continued), continued
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Subprocess runs of the real command

@@ -1,7 +1,7 @@
-"""The vLLM engine (pipeline_rl.VLLMEngine) against the PyTorch engine and the trainer, on the tiny model, on CPU.
+"""The vLLM engine (infra/vllm_engine.py) against the PyTorch engine and the trainer, on the tiny model, on CPU.
 
 Needs vLLM (pip install -r requirements-vllm.txt); every test is skipped where it is not installed. The model is the
-tiny default (scalerl.build_model, character tokenizer) after a short warm start, so its next-token distributions are
+tiny default (trainer.tiny_model, character tokenizer) after a short warm start, so its next-token distributions are
 peaked as in training. Each engine starts in a few seconds after a ~10 s import of vllm.
 Run: python -m pytest tests/test_vllm.py -q      (the two slow tests run scalerl.py with --engine vllm: minutes)
 """
@@ -19,9 +19,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::FutureWarnin
 
 import data  # noqa: E402
 import losses  # noqa: E402
-import pipeline_rl  # noqa: E402
 import scalerl  # noqa: E402
 import trainer  # noqa: E402
+from engine import Sample  # noqa: E402
+from infra.dist import buckets  # noqa: E402
+from infra.run import make_engine  # noqa: E402
+from infra.vllm_engine import VLLMEngine, as_bytes, load_in_worker  # noqa: E402
 from conftest import read_jsonl, run_command, scalerl_command, torchrun_command  # noqa: E402
 from test_learns import LEARNS  # noqa: E402
 
@@ -29,27 +32,27 @@ from test_learns import LEARNS  # noqa: E402
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """The default tiny model after 60 warm-start steps, its tokenizer, and a Config with the engine settings the
-    tests share (engines come from scalerl.make_engine, as in a run)."""
+    tests share (engines come from infra.run.make_engine, as in a run)."""
     cfg = scalerl.Config(sft_steps=60, sft_batch=32, slots=32, max_prompt=64, think_min=16, think_max=28,
                          answer_budget=6)
     tok = data.char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=")
-    model = scalerl.build_model(cfg, len(tok))
+    model = trainer.tiny_model(cfg, len(tok))
     trainer.warm_start(cfg, model, tok, str(tmp_path_factory.mktemp("vllm")))
     return model.eval(), tok, cfg
 
 
 def vllm_engine(model, tok, cfg, seed=0, **over):
     """A VLLMEngine with the run's settings in `cfg`, some overridden (Config field names)."""
-    return scalerl.make_engine(replace(cfg, engine="vllm", **over), model, tok, seed)
+    return make_engine(replace(cfg, engine="vllm", **over), model, tok, seed)
 
 
 def templates(tok, n):
-    return [pipeline_rl.Sample(p.id, i, data.encode(tok, data.format_prompt(p.question, tok)))
+    return [Sample(p.id, i, data.encode(tok, data.format_prompt(p.question, tok)))
             for i, p in enumerate(data.arith_problems(n, seed=1))]
 
 
 def copy_of(model, tok):
-    m = scalerl.build_model(scalerl.Config(), len(tok))
+    m = trainer.tiny_model(scalerl.Config(), len(tok))
     m.load_state_dict(model.state_dict())
     return m.eval()
 
@@ -77,7 +80,7 @@ def test_greedy_output_equals_torch_engine(tiny):
     ts = templates(tok, 12)
     vl = vllm_engine(model, tok, cfg, temperature=0.0).generate(ts, 2)
     # TorchEngine cannot divide by 0: at temperature 1e-6 sampling is argmax for any logit gap above ~1e-5
-    to = scalerl.make_engine(replace(cfg, engine="torch", temperature=1e-6), model, tok, 0).generate(ts, 2)
+    to = make_engine(replace(cfg, engine="torch", temperature=1e-6), model, tok, 0).generate(ts, 2)
     key = lambda s: s.tokens  # noqa: E731 -- a group lists its completions in finish order, ties in engine order
     pairs = [(a, b) for ga, gb in zip(vl, to) for a, b in zip(sorted(ga, key=key), sorted(gb, key=key))]
     assert all(a.tokens == b.tokens and a.forced == b.forced for a, b in pairs)
@@ -159,8 +162,8 @@ def test_child_process_engine_records_the_version_that_sampled_each_token(tiny, 
     model, tok, cfg = tiny
     new = perturbed(model, tok)
     monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)  # the engine sets it; restored after
-    monkeypatch.setattr(pipeline_rl.VLLMEngine, "__init__",  # child=True: what a torchrun rank gets
-                        partialmethod(pipeline_rl.VLLMEngine.__init__, child=True))
+    monkeypatch.setattr(VLLMEngine, "__init__",  # child=True: what a torchrun rank gets
+                        partialmethod(VLLMEngine.__init__, child=True))
     eng = vllm_engine(model, tok, cfg, interrupt=False, think_min=40, think_max=40, slots=64)
     assert eng.child
     for t in templates(tok, 8):
@@ -217,7 +220,7 @@ def test_prefix_cache_hits_only_blocks_of_the_same_policy_version(tiny):
 
     def group(g, n=4):
         seen = set(cached)
-        samples = eng.generate([pipeline_rl.Sample(0, g, prompt)], n)[0]
+        samples = eng.generate([Sample(0, g, prompt)], n)[0]
         return samples, [c for r, c in cached.items() if r not in seen]
     full = (len(prompt) - 1) // bs * bs  # vLLM recomputes at least the last prompt token
     first, _ = group(0)
@@ -259,7 +262,7 @@ def test_forced_interruption_is_masked_and_answer_budget_holds(tiny):
 def test_temperature_below_vllm_floor_is_refused(tiny, capsys):
     model, tok, cfg = tiny
     with pytest.raises(ValueError, match="floor"):
-        pipeline_rl.VLLMEngine(model, slots=4, max_prompt=8, think_budget=(4, 4), answer_budget=4,
+        VLLMEngine(model, slots=4, max_prompt=8, think_budget=(4, 4), answer_budget=4,
                                eos_id=tok.eos_token_id, think_close_ids=data.encode(tok, data.THINK_CLOSE),
                                temperature=1e-3)
     with pytest.raises(SystemExit) as e:  # what a run with --temperature=1e-3 --engine=vllm sees: one line, exit 2
@@ -311,11 +314,11 @@ def test_torchrun_generator_rank_on_vllm(tmp_path):
 
 def test_weights_loaded_bucket_by_bucket_give_the_trainers_logprobs(tiny):
     """An engine built from other weights, then updated in memory one small bucket at a time, as a generator rank
-    takes an update (pipeline_rl.buckets: whole decoder layers; vLLM reloads in place, the other layers untouched):
+    takes an update (infra.dist.buckets: whole decoder layers; vLLM reloads in place, the other layers untouched):
     its behaviour logprobs are then the trainer's, to the same tolerance as an engine built from the model."""
     model, tok, cfg = tiny
-    eng = vllm_engine(scalerl.build_model(replace(cfg, seed=5), len(tok)), tok, cfg)
-    parts = list(pipeline_rl.buckets(((n, p, p.dtype) for n, p in model.named_parameters()), 64 << 10))
+    eng = vllm_engine(trainer.tiny_model(replace(cfg, seed=5), len(tok)), tok, cfg)
+    parts = list(buckets(((n, p, p.dtype) for n, p in model.named_parameters()), 64 << 10))
     assert len(parts) >= 5
     for part in parts:
         eng.load_weights({n: t for n, t, _ in part}, 1)
@@ -332,13 +335,13 @@ def test_a_bucket_crosses_vllms_rpc_as_bytes_and_arrives_exact():
     pairs = [("model.layers.0.mlp.up_proj.weight", torch.randn(96, 32, generator=gen).bfloat16()),
              ("model.norm.weight", torch.randn(32, generator=gen).bfloat16()),
              ("lm_head.weight", torch.randn(40, 32, generator=gen))]
-    wire = MsgpackDecoder().decode(MsgpackEncoder().encode((pipeline_rl.as_bytes(pairs),)))[0]
+    wire = MsgpackDecoder().decode(MsgpackEncoder().encode((as_bytes(pairs),)))[0]
 
     class Worker:
         def reload_weights(self, weights_iterator):
             self.got = list(weights_iterator)
     worker = Worker()
-    pipeline_rl.load_in_worker(worker, wire)
+    load_in_worker(worker, wire)
     assert [n for n, _ in worker.got] == [n for n, _ in pairs]
     for (_, got), (_, want) in zip(worker.got, pairs):
         assert got.dtype == want.dtype and torch.equal(got, want)

@@ -1,0 +1,368 @@
+"""engine.py: generation, the sampling side of ScaleRL's generator-trainer loop. The paper's choices made here:
+
+  - Length budgets and stop rules: a thinking budget drawn per completion from [think_min, think_max], an answer
+    budget once </think> is written; EOS or a spent budget ends the completion.
+  - Forced interruption (App. A.10): at the thinking budget a phrase ending in </think> is inserted as forced tokens
+    (no gradient through them), and the answer gets its own budget.
+  - FP32 LM head (Sec. 3.2): tokens are sampled, and behaviour logprobs read, from an fp32 head, as the trainer's.
+  - In-flight weight updates (Sec. 3.1): weights load between decode steps, running completions keep their KV cache,
+    every token records the policy version that sampled it.
+  - Continuous batching on a slot KV cache: a finished completion's slot is refilled at once; a group shares its
+    prompt's prefill. `TorchEngine` does this in PyTorch; infra/vllm_engine.py puts the `Engine` rules on vLLM.
+"""
+from dataclasses import dataclass, field
+import random
+
+import torch
+
+import losses
+
+
+@dataclass
+class Sample:
+    """One completion, as it travels from generator to trainer."""
+    prompt_id: int                 # id of the prompt in its source (curriculum history keys on it)
+    group: int                     # admission index of its group (G completions of one prompt share it)
+    prompt_tokens: list            # prompt token ids
+    tokens: list = field(default_factory=list)    # completion token ids (sampled and forced)
+    logprobs: list = field(default_factory=list)  # behaviour logprob of each token, after temperature (0.0 if forced)
+    versions: list = field(default_factory=list)  # policy version that produced each token
+    forced: list = field(default_factory=list)    # True for inserted interruption tokens: no gradient through them
+    interrupted: bool = False      # thinking hit its budget and the interruption phrase was inserted
+    truncated: bool = False        # stopped by a length budget before EOS
+    reward: float = 0.0            # filled by the caller once the group is scored
+    meta: object = None            # whatever the caller attached to the prompt (e.g. the data.Problem)
+
+
+@dataclass
+class Running:
+    """A completion being generated: one TorchEngine slot or one vLLM request."""
+    sample: Sample                 # the completion so far
+    left: int                      # tokens left in the current budget: thinking first, then the answer
+    thinking: bool = True          # </think> not written yet: the thinking budget applies
+    length: int = 0                # TorchEngine: tokens held in the slot's KV cache
+    pending: int = 0               # TorchEngine: the last sampled token, not yet in the KV cache
+
+
+class Engine:
+    """What both engines share: budgets, stop rules, the interruption, groups. Subclasses provide `_queue`, `step`,
+    `load_weights`, `busy`, `room` and `rng` (the token sampler's generator)."""
+    def __init__(self, *, max_prompt, think_budget, answer_budget, eos_id, think_close_ids, interrupt_ids=None,
+                 temperature=1.0, seed=0):
+        # interrupt_ids None: interruption off; else the phrase ends with </think>, so the answer budget follows
+        self.think_close, self.interrupt_ids = list(think_close_ids), interrupt_ids
+        assert interrupt_ids is None or list(interrupt_ids[-len(self.think_close):]) == self.think_close
+        self.max_prompt, self.eos_id, self.temperature = max_prompt, eos_id, temperature
+        self.think_budget, self.answer_budget = think_budget, answer_budget  # (lo, hi), drawn per completion; int
+        self.max_len = max_prompt + think_budget[1] + len(interrupt_ids or []) + answer_budget + 1
+        self.groups, self.version = {}, 0  # group id -> (finished samples, group size); the loaded policy version
+        self.aside = []  # groups that finished during `generate` but are not its own
+        self.budget_rng = random.Random(seed)
+        self.stats = dict(decode_steps=0, busy_slot_steps=0, tokens=0, prefills=0)
+
+    def add(self, template, n):
+        """Queue n completions of `template.prompt_tokens`, to finish together as one group."""
+        if len(template.prompt_tokens) > self.max_prompt:
+            raise ValueError(f"prompt of {len(template.prompt_tokens)} tokens exceeds max_prompt={self.max_prompt}")
+        self.groups[template.group] = ([], n)
+        self._queue(template, n)
+
+    def generate(self, templates, n, progress=None):
+        """Run n completions of each template to the end; the groups in template order. `progress(groups done)` after
+        a step that finishes some. Others already running run along; those that finish meanwhile wait in `aside`."""
+        for t in templates:
+            self.add(t, n)
+        mine, out = {t.group for t in templates}, {}
+        while len(out) < len(mine):
+            finished = self.step()
+            out.update((g[0].group, g) for g in finished if g[0].group in mine)
+            self.aside += [g for g in finished if g[0].group not in mine]
+            if progress and finished:
+                progress(len(out))
+        return [out[t.group] for t in templates]
+
+    def state_dict(self):
+        """The sampler state --resume restores."""
+        return dict(rng=self.rng.get_state(), budget_rng=self.budget_rng.getstate())
+
+    def load_state_dict(self, state):
+        self.rng.set_state(state["rng"])
+        self.budget_rng.setstate(state["budget_rng"])
+
+    def _start(self, template, length=0):
+        """A new completion of `template`, its thinking budget drawn."""
+        s = Sample(template.prompt_id, template.group, template.prompt_tokens, meta=template.meta)
+        return Running(s, left=self.budget_rng.randint(*self.think_budget), length=length)
+
+    def _record(self, s, tokens, logprobs, forced, version=None):
+        """Append tokens to sample `s`; `version`: of the weights that sampled them (default: the loaded one)."""
+        s.tokens += tokens
+        s.logprobs += logprobs
+        s.versions += [self.version if version is None else version] * len(tokens)
+        s.forced += [forced] * len(tokens)
+        self.stats["tokens"] += len(tokens)
+
+    def _take(self, run, token, logp, version=None):
+        """Record a sampled token; the stop rules: "done" (EOS, budget out), "interrupt", or None."""
+        self._record(run.sample, [token], [logp], False, version)
+        run.left -= 1
+        if token == self.eos_id:
+            return "done"
+        if run.thinking and run.sample.tokens[-len(self.think_close):] == self.think_close:
+            run.thinking, run.left = False, self.answer_budget
+        elif run.left <= 0:
+            if run.thinking and self.interrupt_ids is not None:
+                return "interrupt"
+            # the answer budget ran out, or thinking did with the interruption off
+            run.sample.truncated = True
+            return "done"
+        return None
+
+    def _force_phrase(self, run):
+        """The interruption phrase as forced tokens, no loss (App. A.10); the answer budget follows."""
+        self._record(run.sample, list(self.interrupt_ids), [0.0] * len(self.interrupt_ids), True)
+        run.sample.interrupted, run.thinking, run.left = True, False, self.answer_budget
+
+    def _finish(self, sample, done):
+        """Count `sample` in its group; with the group's last completion the whole group goes to `done`."""
+        finished, n = self.groups[sample.group]
+        finished.append(sample)
+        if len(finished) == n:
+            done.append(self.groups.pop(sample.group)[0])
+
+
+class SlotCache:
+    """Per-layer KV buffers (slots, kv_heads, max_len, head_dim), the model's attention code's only contact: `place`
+    says where the next forward writes, `update` writes its keys/values in place and returns their history."""
+    def __init__(self, n_layers, slots, kv_heads, max_len, head_dim, dtype, device="cpu"):
+        shape = (slots, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+
+    def place(self, idx, qpos, upto, rows):
+        """Slots idx (R,) at positions qpos (R, n), history up to `upto` of `rows` (idx, or a slice: views)."""
+        # the (R * H * n,) rows written, in the buffers seen as (slots * H * M, head_dim)
+        H, M = self.k[0].shape[1], self.k[0].shape[2]
+        heads = torch.arange(H, device=qpos.device)[None, :, None]
+        self.at = ((idx[:, None, None] * H + heads) * M + qpos[:, None, :]).reshape(-1)
+        self.rows, self.upto = rows, upto
+
+    def update(self, k, v, layer_idx, *args, **kwargs):
+        K, V = self.k[layer_idx], self.v[layer_idx]
+        K.view(-1, K.shape[-1]).index_copy_(0, self.at, k.reshape(-1, K.shape[-1]))
+        V.view(-1, V.shape[-1]).index_copy_(0, self.at, v.reshape(-1, V.shape[-1]))
+        return K[self.rows, :, :self.upto], V[self.rows, :, :self.upto]
+
+    def copy_slot(self, src, dst, n):
+        """The first n positions of slot(s) src into slot(s) dst."""
+        for K, V in zip(self.k, self.v):
+            K[dst, :, :n], V[dst, :, :n] = K[src, :, :n], V[src, :, :n]
+
+
+def decode_attention(query, key, value, mask, scaling):
+    """One query token per row, (R, H, 1, D), against keys and values (R, KV, T, D) (GQA: H = KV * G) under an
+    additive mask (R, 1, 1, T) -> (R, 1, H, D). Reading the keys and values is the whole cost (the fp32 KV cache comes
+    from memory, not cache); two batched matmuls read them faster than SDPA's flash kernel does for one query."""
+    R, H, _, D = query.shape
+    q = query.view(R, key.shape[1], H // key.shape[1], D)
+    w = torch.softmax(torch.matmul(q, key.transpose(-1, -2)) * scaling + mask, -1)
+    return torch.matmul(w, value).view(R, 1, H, D)
+
+
+def slot_attention(module, query, key, value, attention_mask, horizon=None, **kwargs):
+    """The engine's attention (a `transformers` attention interface): SDPA for prefills and phrase writes. In a decode
+    step, `horizon` = (T, rows) has every row read keys up to T only, and `rows`, the few longer ones, again in full:
+    reading keys is most of a step, and one slot past its interruption phrase must not make all read as far."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward as sdpa
+    if query.shape[2] > 1 or kwargs.get("sliding_window") or kwargs.get("softcap"):
+        return sdpa(module, query, key, value, attention_mask, **kwargs)
+    # fp32 on a CPU: decode_attention; in bf16 SDPA's fp32 softmax matters, and on a GPU its kernels are the fast ones
+    own = query.dtype == torch.float32 and query.device.type == "cpu"
+    scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+
+    def attend(q, k, v, m):
+        return decode_attention(q, k, v, m, scaling) if own else sdpa(module, q, k, v, m, **kwargs)[0]
+    T, rows = horizon or (key.shape[2], [])
+    out = attend(query, key[:, :, :T], value[:, :, :T], attention_mask[..., :T])
+    if len(rows):
+        out[rows] = attend(query[rows], key[rows], value[rows], attention_mask[rows])
+    return out, None
+
+
+def flat_parameters(model):
+    """Each dtype's parameters, in order, made views of one tensor, so that a weight bucket (consecutive parameters of
+    one dtype) lands in place with one copy. Moved one parameter at a time: never two copies of the model."""
+    flat = {}
+    for dt in {p.dtype for p in model.parameters()}:
+        ps = [p for p in model.parameters() if p.dtype == dt]
+        flat[dt] = torch.empty(sum(p.numel() for p in ps), dtype=dt, device=ps[0].device)
+        for p, x in zip(ps, flat[dt].split([p.numel() for p in ps])):
+            p.data = x.view_as(p).copy_(p.detach())
+    return flat
+
+
+@dataclass
+class Waiting:
+    """A group's completions that have no slot yet."""
+    template: Sample
+    left: int                      # completions not started
+    hidden: object = None          # the prompt's last hidden state once prefilled: the group's rest reuses it
+
+
+class TorchEngine(Engine):
+    """Continuous-batching KV-cache sampler for a `transformers` causal LM: a step decodes a token per running slot."""
+    def __init__(self, model, *, slots, head_dtype=torch.float32, seed=0, **rules):
+        from transformers import AttentionInterface
+        super().__init__(seed=seed, **rules)
+        self.model, self.head_dtype = model.eval(), head_dtype
+        self.device, dtype, cfg = next(model.parameters()).device, next(model.parameters()).dtype, model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.cache = SlotCache(cfg.num_hidden_layers, slots, cfg.num_key_value_heads, self.max_len, head_dim, dtype,
+                               self.device)
+        self.flat = flat_parameters(model)
+        # SDPA becomes slot_attention (SDPA plus horizons); with others (eager, flash...) all rows read as far
+        if cfg._attn_implementation == "sdpa":
+            AttentionInterface.register("scalerl_slots", slot_attention)
+            model.set_attn_implementation("scalerl_slots")
+        self.horizons = cfg._attn_implementation == "scalerl_slots"
+        self.slots = [None] * slots  # per slot: its Running completion, or None
+        self.waiting = []            # Waiting groups, in admission order
+        self.rng = torch.Generator(self.device).manual_seed(seed)
+
+    busy = property(lambda self: bool(self.waiting) or any(s is not None for s in self.slots))
+    room = property(lambda self: self.slots.count(None) - sum(w.left for w in self.waiting))  # free, not promised
+
+    def _queue(self, template, n):
+        self.waiting.append(Waiting(template, n))
+
+    @torch.no_grad()
+    def load_weights(self, source, version):
+        """In-flight update (Sec. 3.1) from `source`: a module, or {name: tensor} of some or all of the parameters (a
+        generator rank loads a version one bucket at a time)."""
+        weights = dict(source.named_parameters()) if hasattr(source, "named_parameters") else source
+        params = dict(self.model.named_parameters())
+        for name, t in weights.items():
+            params[name].copy_(t)
+        self.version = version
+
+    def landing(self, bucket):
+        """Where weight bucket `bucket` ((name, tensor, dtype) of consecutive parameters) lands: a flat view."""
+        first = self.model.get_parameter(bucket[0][0])
+        flat = self.flat[first.dtype]
+        at = (first.data_ptr() - flat.data_ptr()) // flat.element_size()
+        return flat[at:at + sum(t.numel() for _, t, _ in bucket)]
+
+    @torch.no_grad()
+    def step(self):
+        """Fill free slots, advance every running completion one token; return the groups that finished."""
+        done = []
+        self._refill(done)
+        runs = self._compact()
+        if not runs:
+            return done
+        hidden = self._forward(range(len(runs)), [[run.pending] for run in runs], [run.length for run in runs])
+        self.stats["decode_steps"] += 1
+        self.stats["busy_slot_steps"] += len(runs)
+        for run in runs:
+            run.length += 1
+        self._advance(range(len(runs)), hidden[:, -1], done)
+        return done
+
+    def _compact(self):
+        """Move the running completions into the lowest slots (one KV copy per layer): a step decodes only those."""
+        runs = [run for run in self.slots if run is not None]
+        holes = [i for i in range(len(runs)) if self.slots[i] is None]
+        above = [i for i in range(len(runs), len(self.slots)) if self.slots[i] is not None]
+        if holes:
+            self.cache.copy_slot(above, holes, max(self.slots[i].length for i in above))
+            for hole, i in zip(holes, above):
+                self.slots[hole], self.slots[i] = self.slots[i], None
+        return self.slots[:len(runs)]
+
+    def _forward(self, rows, tokens, pos):
+        """Tokens (R, n) into slots `rows` at positions pos (R,) + arange(n) -> hidden states (R, n, H)."""
+        n, dev = len(tokens[0]), self.device
+        idx = torch.tensor(rows, device=dev)
+        qpos = torch.tensor(pos, device=dev)[:, None] + torch.arange(n, device=dev)
+        self.cache.place(idx, qpos, max(pos) + n, slice(rows.start, rows.stop) if isinstance(rows, range) else idx)
+        dtype = self.cache.k[0].dtype
+        allowed = torch.arange(self.cache.upto, device=dev) <= qpos[:, :, None]
+        mask = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
+        extra = dict(horizon=self._horizon([p + 1 for p in pos])) if n == 1 and self.horizons else {}
+        return self.model.model(input_ids=torch.tensor(tokens, device=dev), attention_mask=mask, position_ids=qpos,
+                                past_key_values=self.cache, use_cache=True, **extra).last_hidden_state
+
+    def _horizon(self, lengths):
+        """Keys each row needs -> slot_attention's (T, longer rows), or None: one horizon for all. T is chosen for the
+        least reading: every row reads T keys, the k longer rows all theirs again at about 3x (their keys copied)."""
+        top = sorted(lengths, reverse=True)
+        k = min(range(len(top)), key=lambda k: len(top) * top[k] + 3 * k * top[0])
+        if k == 0:
+            return None
+        return top[k], torch.tensor([r for r, n in enumerate(lengths) if n > top[k]], device=self.device)
+
+    def _sample(self, hidden):
+        """Hidden states (R, H) -> tokens (R,) and their behaviour logprobs after temperature, FP32 head (Sec. 3.2)."""
+        logits = losses.head_logits(hidden, self.model.lm_head.weight, self.head_dtype)
+        logp = torch.log_softmax(logits / self.temperature, -1)
+        tokens = torch.multinomial(logp.exp(), 1, generator=self.rng)[:, 0]
+        return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+
+    def _refill(self, done):
+        """Continuous batching: waiting completions start in free slots and sample their first token. The prompt's KV
+        comes from a running sibling's slot if one holds it; the other new prompts share one prefill."""
+        free, starts, new = [i for i, run in enumerate(self.slots) if run is None], [], []
+        while free and self.waiting:
+            w = self.waiting[0]
+            take, free = free[:w.left], free[w.left:]
+            # the slot holding the prompt's KV: a running sibling's, else the first one taken, prefilled below
+            source = next((i for i, r in enumerate(self.slots) if r and r.sample.group == w.template.group), None)
+            if source is None:
+                source = take[0]
+                new.append((w, source))
+            starts.append((w, take, source))
+            for i in take:
+                self.slots[i] = self._start(w.template, length=len(w.template.prompt_tokens))
+            # the rest of the group waits for slots
+            w.left -= len(take)
+            if w.left == 0:
+                self.waiting.pop(0)
+        # the new prompts in one forward, right-padded: a pad's keys lie past its prompt, masked until the slot's own
+        # tokens overwrite them. The prompt's last hidden state samples the first token of all the group's slots
+        if new:
+            prompts = [w.template.prompt_tokens for w, _ in new]
+            P = max(map(len, prompts))
+            out = self._forward([i for _, i in new], [p + [0] * (P - len(p)) for p in prompts], [0] * len(new))
+            for (w, _), h, p in zip(new, out, prompts):
+                w.hidden = h[len(p) - 1]
+            self.stats["prefills"] += len(new)
+        # the prompt's KV into the group's other new slots, one copy per layer
+        for w, take, source in starts:
+            rest = [i for i in take if i != source]
+            if rest:
+                self.cache.copy_slot(source, rest, len(w.template.prompt_tokens))
+        if starts:
+            self._advance([i for _, take, _ in starts for i in take],
+                          torch.stack([w.hidden for w, take, _ in starts for _ in take]), done)
+
+    def _advance(self, idx, hidden, done):
+        """Sample each slot's next token (one device sync), apply the stop rules and the interruption (App. A.10)."""
+        tokens, logps = (x.tolist() for x in self._sample(hidden))
+        forced = []
+        for i, token, logp in zip(idx, tokens, logps):
+            run = self.slots[i]
+            run.pending = token
+            what = self._take(run, token, logp)
+            if what == "interrupt":
+                forced.append(i)
+            elif what == "done":
+                self.slots[i] = None
+                self._finish(run.sample, done)
+        if not forced:
+            return
+        # the phrase goes into these slots' KV caches in one forward, as forced tokens
+        phrase, runs = list(self.interrupt_ids), [self.slots[i] for i in forced]
+        self._forward(forced, [[run.pending] + phrase[:-1] for run in runs], [run.length for run in runs])
+        for run in runs:
+            run.length, run.pending = run.length + len(phrase), phrase[-1]
+            self._force_phrase(run)

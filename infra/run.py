@@ -1,0 +1,333 @@
+"""infra/run.py: a run's life around the loop in scalerl.main, for one process and for every rank under torchrun.
+
+What it guarantees:
+- Nothing is written and no rank joins the job before rank 0 has checked the run directory: a fresh run refuses a
+  directory that holds a run; --resume needs a readable checkpoint written by the same layout of ranks. Every rank
+  then resumes from rank 0's resume point (step, policy version, groups dropped as stale).
+- An engine holds its own copy of the weights in the body dtype (an untied FP32 head stays fp32, Sec. 3.2), cast
+  parameter by parameter while copied: never a second fp32 copy of the model on the device.
+- Held-out evaluation (`Evaluator`): in one process an engine of its own, re-seeded per step, so a step's pass rate
+  depends on the weights and the seed only; under torchrun the generator ranks evaluate their share of the prompts
+  and trainer rank 0 logs the rows once all have sent, every one before the checkpoint that follows it.
+- The end: a preempted run checkpoints and exits 143, resumable, with no export; a run of non-finite steps exits with
+  one line; otherwise the policy is exported to out_dir/hf and the run's own curve is fitted (Sec. 2.1).
+"""
+import copy
+import json
+import math
+import os
+import time
+
+import torch
+
+import data
+import engine
+import pipeline_rl
+import sigmoid_fit
+import trainer
+from infra import dist, fail, first_line, print0, rundir, sources
+
+
+def device():
+    """This rank's device: its GPU (LOCAL_RANK) where there is one, else the CPU."""
+    return torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
+
+
+def set_threads(cfg):
+    # two threads run the tiny model's matmuls 1.7x faster in one process; under torchrun each rank takes one
+    one_process = int(os.environ.get("WORLD_SIZE", 1)) == 1
+    torch.set_num_threads(cfg.threads or (min(2, os.cpu_count() or 1) if one_process else 1))
+
+
+def start(cfg):
+    """The run directory checked (rank 0: a fresh one, or --resume with a readable checkpoint that fits the job's
+    layout), roles assigned under torchrun, the resume point shared with every rank. Returns (Dist, checkpoint on
+    rank 0 or None, resume point or None)."""
+    set_threads(cfg)
+    metrics_path, ckpt_path = os.path.join(cfg.out_dir, "metrics.jsonl"), os.path.join(cfg.out_dir, "ckpt.pt")
+    # the run directory and ckpt.pt live on rank 0's node
+    rank0 = int(os.environ.get("RANK", 0)) == 0
+    trained = rank0 and any(r["step"] > 0 for r in rundir.read_metrics(metrics_path, math.inf))
+    if rank0 and not cfg.resume and (os.path.exists(ckpt_path) or trained):
+        fail(f"run directory {cfg.out_dir} already holds a run; pass --resume to continue it, pick another --out_dir, "
+             f"or delete {cfg.out_dir} to start afresh")
+    if rank0 and cfg.resume and not os.path.exists(ckpt_path):
+        hint = f" (delete {cfg.out_dir}: its rows cannot be continued)" if trained else ""
+        fail(f"--resume: no checkpoint at {ckpt_path}{hint}; start a fresh run without --resume")
+    ckpt = rundir.load_checkpoint(ckpt_path) if cfg.resume and rank0 else None
+    try:
+        job = dist.dist_init(cfg.gen_ranks, cfg.dist_timeout, cfg.gen_share)
+    except ValueError as e:
+        fail(str(e))
+    if ckpt and (ckpt.get("world", 1), ckpt.get("generators", [])) != (job.world, job.generators):
+        fail(f"checkpoint {ckpt_path} was written by {ckpt.get('world', 1)} process(es) with generator ranks "
+             f"{ckpt.get('generators', [])}, this run has {job.world} with {job.generators}; resume with the same "
+             "torchrun --nproc_per_node/--nnodes and --gen_ranks")
+    # under torchrun the job's counters continue from the checkpoint; groups in flight then are regenerated
+    if ckpt and job.world > 1:
+        admitted = ckpt["version"] * cfg.batch_prompts + ckpt["stale"]
+        for key, n in (("version", ckpt["version"]), ("admitted", admitted), ("dropped", ckpt["stale"])):
+            dist.counter(job, key, n)
+    resume = {k: ckpt.get(k) for k in ("step", "version", "stale", "shards", "shards_opt")} if ckpt else None
+    return job, ckpt, dist.share(job, resume, everyone=True)
+
+
+def place(cfg, job, model, ckpt, resume):
+    """The checkpoint's weights on a resume (they replace the warm start or the hub's), rank 0's weights on every
+    rank, and the model on this rank's device (a generator rank's stays on the CPU: its engine takes a copy)."""
+    if ckpt:
+        rundir.load_weights(model, ckpt, cfg.out_dir)
+    if resume or cfg.model == "tiny":
+        dist.broadcast_from_rank0(job, model)
+    model.to("cpu" if job.rank in job.generators else device())
+
+
+def make_engine(cfg, model, tok, seed):
+    """A generation engine (--engine) with its own copy of `model`, the run's budgets and sampling."""
+    dtype, dev = getattr(torch, cfg.dtype), device()
+    head = model.get_output_embeddings().weight
+    fp32_head = cfg.fp32_head and head is not model.get_input_embeddings().weight
+    # deepcopy takes each parameter from the memo instead of copying it: cast while copied, never a second fp32 copy
+    # on the device. An untied FP32 head stays fp32 (Sec. 3.2); buffers (RoPE) stay as they are.
+    memo = {id(p): torch.nn.Parameter(p.detach().to(dev, torch.float32 if fp32_head and p is head else dtype), False)
+            for p in model.parameters()}
+    weights = copy.deepcopy(model, memo).to(dev)
+    interrupt_ids = None
+    if cfg.interrupt:
+        # the phrase, then </think> encoded on its own, so the stop rules see the thinking close (App. A.10)
+        phrase = data.INTERRUPT_PHRASE.removesuffix(data.THINK_CLOSE)
+        interrupt_ids = data.encode(tok, phrase) + data.encode(tok, data.THINK_CLOSE)
+    rules = dict(slots=cfg.slots, max_prompt=cfg.max_prompt, think_budget=(cfg.think_min, cfg.think_max),
+                 answer_budget=cfg.answer_budget, eos_id=tok.eos_token_id, temperature=cfg.temperature,
+                 think_close_ids=data.encode(tok, data.THINK_CLOSE), interrupt_ids=interrupt_ids,
+                 head_dtype=torch.float32 if cfg.fp32_head else dtype, seed=seed)
+    if cfg.engine == "torch":
+        return engine.TorchEngine(weights, **rules)
+    try:
+        from infra.vllm_engine import VLLMEngine
+        return VLLMEngine(weights, gpu_share=cfg.gpu_memory_utilization, **rules)
+    except ImportError as e:
+        fail(f"--engine vllm needs vLLM: pip install -r requirements-vllm.txt ({first_line(e)})")
+    except ValueError as e:
+        fail(str(e))
+
+
+def rollouts(cfg, job, model, tok, train, tasks, seed):
+    """One process's generating side (a generator rank's: its share of the training prompts): the curriculum, an
+    engine, the verifiers."""
+    if job.rank in job.generators:
+        train = train[job.generators.index(job.rank)::len(job.generators)]
+    pool = pipeline_rl.make_pool(train, tasks, cfg.code_frac, seed=seed, npr=cfg.npr, npr_threshold=cfg.npr_threshold,
+                                 zero_var=cfg.zero_var_filter)
+    return pipeline_rl.Rollouts(make_engine(cfg, model, tok, seed + job.rank), pool, tok, cfg.max_prompt)
+
+
+def batch_source(cfg, job, model, tok, train, tasks, seed):
+    """What the loop reads batches from: one process's Scheduler, or under torchrun the TrainerLink to the generator
+    ranks."""
+    if job.world > 1:
+        return dist.TrainerLink(job, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
+                                bucket_bytes=cfg.sync_bucket_mb << 20)
+    return pipeline_rl.Scheduler(rollouts(cfg, job, model, tok, train, tasks, seed), mode=cfg.off_policy,
+                                 k=cfg.max_lag, batch_prompts=cfg.batch_prompts, group_size=cfg.group_size,
+                                 decode_per_step=cfg.decode_per_step)
+
+
+def policy(cfg, job, model, tok):
+    """(policy, AdamW): fp32 master weights, the body computed in the body dtype and the head in its own (Sec. 3.2)
+    through FSDP2 (sharded over the trainer ranks, mixed precision, or both), activation checkpointing per decoder
+    layer if asked."""
+    body = getattr(torch, cfg.dtype)
+    if cfg.act_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+    pol = trainer.Policy(model, cfg.temperature, torch.float32 if cfg.fp32_head else body, tok.pad_token_id, body)
+    if len(job.trainers) > 1 or body != torch.float32:
+        dist.shard(pol, model.model.layers, job.groups.get("trainer") or dist.local_group(), body)
+    return pol, trainer.optimizer(cfg, pol)
+
+
+def restore(cfg, ckpt, resume, job, policy, opt, source):
+    """--resume on a trainer rank: the weights and optimizer state (under torchrun: this rank's shards), the batch
+    source's counters, and in one process the generating side. Returns (step, clock); a fresh run starts at step 0
+    with a zero clock."""
+    if not resume:
+        return 0, dict(device_hours=0.0, cpu_hours=0.0)
+    with rundir.fits(os.path.join(cfg.out_dir, "ckpt.pt")):
+        if job.world > 1:
+            rundir.load_shards(job, policy, opt, os.path.join(cfg.out_dir, resume["shards"]), resume["shards_opt"])
+        else:
+            rundir.load_optimizer(policy, opt, ckpt["opt"])
+            source.rollouts.load_state_dict(ckpt["generating"])
+    source.version, source.dropped_stale = resume["version"], resume["stale"]
+    if job.world == 1:
+        # the groups in flight at the checkpoint are regenerated; the engine was built from the checkpoint's weights
+        source.admitted = resume["version"] * cfg.batch_prompts + resume["stale"]
+        source.engine.version = resume["version"]
+    clock = {k: ckpt.get(k, 0.0) if ckpt else 0.0 for k in ("device_hours", "cpu_hours")}
+    if ckpt:
+        torch.set_rng_state(ckpt["torch_rng"])
+    print0(f"resumed {cfg.out_dir} at step {resume['step']} (in-flight completions are regenerated)")
+    return resume["step"], clock
+
+
+def held_out(rollouts, val):
+    """The held-out prompts as group templates, built once through the same guard as training prompts."""
+    templates = [t for i, p in enumerate(val) if (t := rollouts.template(p, -1 - i))]
+    if not templates:
+        fail(f"none of the {len(val)} held-out prompts could be built (see the warnings); check --task and "
+             "--max_prompt")
+    return templates
+
+
+def progress(n):
+    """A long evaluation (1,000 prompts x 16 at 14k tokens) says how far it is, every 30 s, with an ETA."""
+    t0, shown = time.time(), [time.time()]
+
+    def show(done):
+        if time.time() - shown[0] > 30:
+            shown[0] = time.time()
+            eta = (shown[0] - t0) / done * (n - done)
+            print0(f"  evaluating: {done}/{n} prompts done, eta {eta / 60:.1f}m", flush=True)
+    return show
+
+
+def held_out_line(row, tasks):
+    return f"held-out pass rate {row['pass_rate']:.3f}{rundir.per_task(row, 'pass_rate', tasks)}"
+
+
+class Evaluator:
+    """The loop's held-out evaluation at a step (mean@eval_samples, Sec. 2.1), logged on trainer rank 0 with the
+    step's clock. One process: an engine of its own loads the step's weights. Under torchrun: trainer rank 0 asks the
+    generator ranks, which evaluate that version between their engine steps; `collect` logs their rows. Other trainer
+    ranks: nothing."""
+    def __init__(self, cfg, job, model, tok, val, tasks, seed, source, log):
+        self.cfg, self.job, self.tasks, self.seed, self.source, self.log = cfg, job, tasks, seed, source, log
+        if job.world == 1:
+            self.engine, self.templates = make_engine(cfg, model, tok, seed + 1), held_out(source.rollouts, val)
+
+    def __call__(self, step, policy):
+        """The held-out pass rate of the step's weights, as a line for the progress output."""
+        seed = self.seed + 7919 * step
+        if self.job.rank != 0:
+            return ""
+        if self.job.world > 1:
+            self.source.ask_eval(self.source.version, seed, dict(step=step, **self.log.clock))
+            return "held-out evaluation asked of the generator ranks"
+        t = time.time()
+        self.engine.load_weights(policy.state(), self.source.version)
+        show = progress(len(self.templates)) if step == 0 else None
+        results = pipeline_rl.evaluate(self.engine, self.source.rollouts, self.templates, self.cfg.eval_samples, seed,
+                                       show)
+        row = pipeline_rl.pass_rates(results, self.tasks)
+        self.log.write(dict(step=step, **self.log.clock, **row, eval=True))
+        self.log.took["evaluation"] += time.time() - t
+        return held_out_line(row, self.tasks)
+
+    def collect(self, wait=False):
+        """Under torchrun, trainer rank 0: the rows the generator ranks have sent (`wait`: all that were asked)."""
+        if self.job.rank != 0 or self.job.world == 1:
+            return
+        for row, results in self.source.evals(wait):
+            pr = pipeline_rl.pass_rates(results, self.tasks)
+            self.log.write(dict(row, **pr, eval=True))
+            print(f"step {row['step']:4d} | {held_out_line(pr, self.tasks)} (generator ranks)", flush=True)
+
+
+def generator_rank(cfg, job, rollouts, val, resume):
+    """A generator rank's job under torchrun: its curriculum restored on --resume, its share of the held-out prompts
+    for the evaluations trainer rank 0 asks for, then dist.run_generator until the trainer says stop."""
+    # its part of the checkpoint
+    state_path = os.path.join(cfg.out_dir, f"generator{job.rank}.pt")
+    if resume:
+        rollouts.engine.version = resume["version"]
+        if os.path.exists(state_path):
+            with rundir.fits(state_path):
+                rollouts.load_state_dict(rundir.load_checkpoint(state_path, want=("version",)))
+        else:
+            print(f"warning: {state_path} is missing: this generator rank restarts its curriculum", flush=True)
+    mine = held_out(rollouts, val)[job.generators.index(job.rank)::len(job.generators)]
+    dist.run_generator(job, rollouts, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
+                       group_size=cfg.group_size, save_every=cfg.ckpt_every, state_path=state_path,
+                       bucket_bytes=cfg.sync_bucket_mb << 20,
+                       evaluate=lambda seed: pipeline_rl.evaluate(rollouts.engine, rollouts, mine, cfg.eval_samples,
+                                                                  seed))
+    dist.dist_cleanup(job)
+
+
+def finish(cfg, job, step, bad_run, stop, source, evaluate, policy, model, tok, log):
+    """The end of the run: the last evaluations logged, the generators stopped, the policy exported (not when
+    preempted: schedulers give seconds), then the summary and the sigmoid fit of the run's own evaluations (Sec. 2.1),
+    one curve per task (Sec. 7), and curve.png."""
+    evaluate.collect(wait=not stop)
+    source.close()
+    # under torchrun: summed over the generator ranks
+    log.took["generation"] = source.totals()["gen_s"]
+    if not stop:
+        # every trainer rank takes part in the gathers; rank 0 keeps the tensors and writes
+        final = {name: t.to(dtype).cpu() for name, t, dtype in policy.weights() if job.rank == 0}
+        if job.rank == 0:
+            print(f"policy at step {step} written to {rundir.export_hf(cfg, model, tok, final)} (from_pretrained, "
+                  "vLLM)")
+    dist.dist_cleanup(job)
+    if stop:
+        print0(f"stopped by {stop} at step {step}; checkpoint in {cfg.out_dir}: continue with --resume", flush=True)
+        raise SystemExit(143)
+    if job.rank != 0:
+        return
+    if bad_run >= cfg.max_nonfinite:
+        fail(f"{bad_run} steps in a row had non-finite loss or gradients; the last good weights are checkpointed at "
+             f"step {step} in {cfg.out_dir}; lower --lr or check the data, then --resume")
+    log.summary()
+    path, plot = os.path.join(cfg.out_dir, "metrics.jsonl"), os.path.join(cfg.out_dir, "curve.png")
+    try:
+        print(sigmoid_fit.analyze([path] + [(path, f"pass_rate_{t}") for t in log.tasks if len(log.tasks) > 1],
+                                  plot=plot))
+    except ValueError as e:
+        print(f"sigmoid fit skipped: {e}")
+    except OSError as e:
+        rundir.write_failed(plot, e)
+
+
+def tool(cfg):
+    """--dry_run (the plan, nothing loaded), --eval_only and --export: a run directory's tools, no training."""
+    if cfg.dry_run:
+        from runs.plan import plan
+        return print(plan(cfg))
+    set_threads(cfg)
+    evaluate_or_export(cfg)
+
+
+def evaluate_or_export(cfg):
+    """--eval_only and --export, in one process: the weights of out_dir's checkpoint (with the run's own options), or
+    else --model's own (an exported hf/ directory, say). --eval_only prints the held-out pass rate and appends it to
+    out_dir/evals.jsonl; the seed is the one the run's evaluation at that step used, so the numbers agree."""
+    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
+    ckpt = rundir.load_checkpoint(ckpt_path) if os.path.exists(ckpt_path) else None
+    if cfg.export and not ckpt:
+        fail(f"--export: no checkpoint at {ckpt_path}; pass the --out_dir of a run")
+    train, val, tasks = sources.load_data(cfg)
+    model, tok = sources.load_model(cfg, tasks)
+    if ckpt:
+        rundir.load_weights(model, ckpt, cfg.out_dir)
+    if cfg.export:
+        rundir.lock_run_dir(cfg.out_dir)
+        path = rundir.export_hf(cfg, model, tok, model.state_dict())
+        return print(f"policy at step {ckpt['step']} written to {path}")
+    model.to(device())
+    seed, step = cfg.seed if cfg.rl_seed < 0 else cfg.rl_seed, ckpt["step"] if ckpt else 0
+    scorer = pipeline_rl.Rollouts(make_engine(cfg, model, tok, seed + 1), None, tok, cfg.max_prompt)
+    templates, t0 = held_out(scorer, val), time.time()
+    results = pipeline_rl.evaluate(scorer.engine, scorer, templates, cfg.eval_samples, seed + 7919 * step,
+                                   progress(len(templates)))
+    pr = pipeline_rl.pass_rates(results, tasks)
+    row = dict(step=step, model=cfg.model if not ckpt else ckpt_path, **pr, eval_samples=cfg.eval_samples,
+               time=time.strftime("%Y-%m-%d %H:%M:%S"))
+    path = os.path.join(cfg.out_dir, "evals.jsonl")
+    try:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    except OSError as e:
+        rundir.write_failed(path, e)
+    where = f"mean@{cfg.eval_samples}, {len(val)} prompts, step {step}"
+    print(f"{held_out_line(pr, tasks)} ({where}) in {time.time() - t0:.0f}s; appended to {cfg.out_dir}/evals.jsonl")

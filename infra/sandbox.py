@@ -1,0 +1,240 @@
+"""The code sandbox: runs untrusted programs against stdin/stdout tests, as tightly confined as this machine allows.
+
+`check_program` never raises and passes a program only if every test's output matches. Each runs in a fresh
+`python -I -S` (no site-packages, empty environment) in a temporary directory, removed after; past `time_limit`
+seconds per test every process of the sandbox is killed, also those that left its group. Memory, output, files and
+processes are limited; network, subprocesses, signals refused. `sandbox_mode` picks once the strongest confinement
+that works (what is missing is said on stderr): network and PID namespaces, as root a uid per check, and Landlock:
+no system call (via ctypes, mmap or /proc/self alike) writes a file or reads one outside the standard library. The
+uid or the audit hook refuses metadata changes; the hook is a second line (PEP 578 hooks are no security boundary).
+"""
+import contextlib
+import functools
+import os
+import queue
+import re
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from data import CODE_TIME_LIMIT, code_tests
+
+_FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.S)
+
+
+def check_answer(problem, text, time_limit):
+    """The "code" checker of data.CHECKERS: the program in the answer (its first ```python block when there is one,
+    else all of it) against the problem's hidden tests."""
+    fenced = _FENCE.search(text)
+    return _code_verdict(fenced[1] if fenced else text, problem.answer, min(time_limit, CODE_TIME_LIMIT))
+
+
+@functools.lru_cache(maxsize=4096)  # a group often holds the same program several times: run it once
+def _code_verdict(program, answer, time_limit):
+    return check_program(program, code_tests(answer), time_limit)
+
+
+_SANDBOX_MODE, _SANDBOX_LOCK = [], threading.Lock()  # sandbox_mode's answer, found once per process
+_SLOTS = queue.SimpleQueue()  # a uid per concurrent check (as root): a sweep by uid finds only its own processes
+for _slot in range(64):
+    _SLOTS.put(_slot)
+
+
+def check_program(program, tests, time_limit=CODE_TIME_LIMIT, memory_mb=512, output_bytes=1 << 20):
+    """True iff `program` (Python source) prints the expected stdout for every (stdin, stdout) test, confined as
+    the module's docstring says. Stops at the first failed test; never raises."""
+    try:
+        mode = sandbox_mode()
+        if mode is None or not isinstance(program, str) or not program.strip() or not tests:
+            return False
+        tests = [(str(i), str(o)) for i, o in tests]  # 16 tests per interpreter: two open files each
+        return all(_run_tests(program, tests[k:k + 16], float(time_limit), memory_mb << 20, output_bytes, mode)
+                   for k in range(0, len(tests), 16))
+    except Exception:  # noqa: BLE001 -- a verifier never takes down the run
+        return False
+
+
+def sandbox_mode():
+    """(command prefix, own uid?, Landlock?) of the strongest sandbox that runs a canary here (None: none); once."""
+    with _SANDBOX_LOCK:
+        if not _SANDBOX_MODE:
+            root, unshare = os.geteuid() == 0, shutil.which("unshare")
+            namespaces = [unshare] + ([] if root else ["-r"]) + ["-n", "-p", "-f", "--kill-child"] if unshare else None
+            for mode in [(ns, root, landlock) for ns in ([namespaces] if namespaces else []) + [[]]
+                         for landlock in (True, False)]:
+                if _run_tests("import math\nprint(int(input())+1)", [("41\n", "42")], 10.0, 256 << 20, 64, mode):
+                    _SANDBOX_MODE.append(mode)
+                    missing = [what for what, have in (("network and PID namespaces", mode[0]),
+                               ("Landlock (files: permissions and audit hook only)", mode[2])) if not have]
+                    if missing:
+                        print("warning: the code sandbox runs without " + "; without ".join(missing), file=sys.stderr)
+                    break
+            else:  # never run untrusted code as root without a uid of its own
+                _SANDBOX_MODE.append(None)
+                print("warning: no code sandbox works here; every program fails its tests", file=sys.stderr)
+        return _SANDBOX_MODE[0]
+
+
+def sandbox_description():
+    """What confines a program here, in one line for the run's header (see sandbox_mode and _BOOT)."""
+    mode = sandbox_mode()
+    if mode is None:
+        return "none works here: every program fails its tests"
+    names, landlock = {"-r": "user", "-n": "net", "-p": "pid"}, "no Landlock"
+    if mode[2]:
+        import ctypes
+        abi = ctypes.CDLL(None).syscall(444, None, 0, 1)  # landlock_create_ruleset(LANDLOCK_CREATE_RULESET_VERSION)
+        landlock = f"Landlock ABI {abi} (no file writes; reads: the standard library)"
+    return "; ".join([
+        "namespaces: " + ", ".join(names[f] for f in mode[0] if f in names) if mode[0] else "no namespaces",
+        f"uids {1_000_000 + os.getpid() % 4_000_000 * 64}+ (one per check)" if mode[1] else f"uid {os.getuid()}",
+        landlock, "rlimits", "audit hook"])
+
+
+def _run_tests(program, tests, time_limit, memory, output_cap, mode):
+    """True iff `program` passes every test, all in one sandboxed interpreter (see _BOOT) run under `mode`."""
+    namespaces, own_uid, landlock = mode
+    slot, box, files, proc = _SLOTS.get(), tempfile.mkdtemp(prefix="scalerl-code-"), [], None
+    uid = 1_000_000 + os.getpid() % 4_000_000 * 64 + slot if own_uid else -1
+    try:
+        with open(os.path.join(box, "prog.py"), "w", encoding="utf-8") as f:
+            f.write(program)
+        for stdin, _ in tests:  # unnamed files: nothing a program could open by a path
+            files += [tempfile.TemporaryFile(dir=box), tempfile.TemporaryFile(dir=box)]  # its stdin, its stdout
+            files[-2].write(stdin.encode())
+            files[-2].seek(0)
+        # RLIMIT_NPROC counts all processes of a uid: 16 with a uid or user namespace of its own, else 16 more
+        nproc = 16 if namespaces or own_uid else 16 + sum(int(status["Threads"]) for _, status in _processes(
+            lambda pid, status: int(status["Uid"].split()[0]) == os.getuid()))
+        fds = [f.fileno() for f in files]
+        limits = [memory, output_cap + 1, nproc, uid, int(landlock)]
+        args = [sys.executable, "-I", "-S", "-c", _BOOT, *map(str, limits + fds)]
+        proc = subprocess.Popen(namespaces + args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, pass_fds=fds, cwd=box, env={"LC_ALL": "C.UTF-8"},
+                                start_new_session=True)
+        if not select.select([proc.stdout], [], [], 10.0)[0] or proc.stdout.readline() != b"ready\n":
+            return False  # the interpreter did not start: not the program's fault, but a fail
+        for k, (_, want) in enumerate(tests):  # the wall clock of each test runs from the previous report
+            if not select.select([proc.stdout], [], [], time_limit)[0] or proc.stdout.readline().strip() != b"0":
+                return False
+            files[2 * k + 1].seek(0)
+            got = files[2 * k + 1].read(output_cap + 1)
+            if len(got) > output_cap or _stripped_lines(got.decode(errors="replace")) != _stripped_lines(want):
+                return False
+        return True
+    finally:
+        try:
+            if proc is not None:
+                _kill_sandbox(proc, uid, box)
+        finally:
+            for f in files:
+                f.close()
+            shutil.rmtree(box, ignore_errors=True)
+            _SLOTS.put(slot)
+
+
+# The interpreter: limits, Landlock, as root its own uid, the audit hook; then a child per test, exit code on stdout.
+_BOOT = r"""# scalerl sandbox
+import os, resource as R, sys
+mem, fsize, nproc, uid, landlock, *fds = map(int, sys.argv[1:])
+for k, v in ((R.RLIMIT_AS, mem), (R.RLIMIT_FSIZE, fsize), (R.RLIMIT_NPROC, nproc), (R.RLIMIT_CORE, 0),
+             (R.RLIMIT_NOFILE, 64)):
+    R.setrlimit(k, (v, v))
+code, null = compile(open("prog.py", encoding="utf-8").read(), "prog.py", "exec"), os.open(os.devnull, os.O_WRONLY)
+if landlock:  # system calls 444-446: landlock_create_ruleset, landlock_add_rule, landlock_restrict_self
+    import ctypes, struct
+    libc = ctypes.CDLL(None, use_errno=True)
+    abi = libc.syscall(444, None, 0, 1)  # LANDLOCK_CREATE_RULESET_VERSION
+    # refused: every file access this ABI knows (13, REFER from 2, TRUNCATE from 3, IOCTL_DEV from 5), TCP bind and
+    # connect (from 4), abstract unix sockets and signals reaching outside (from 6); allowed: one rule, below
+    access = struct.pack("QQQ", (1 << 13 + (abi >= 2) + (abi >= 3) + (abi >= 5)) - 1, 3 * (abi >= 4), 3 * (abi >= 6))
+    ruleset, lib = libc.syscall(444, access, 24, 0), os.open(os.path.dirname(os.__file__), os.O_PATH)
+    rule = struct.pack("=Qi", 4 | 8, lib)  # READ_FILE | READ_DIR beneath the standard library
+    if (abi < 1 or ruleset < 0 or libc.syscall(445, ruleset, 1, rule, 0) or libc.prctl(38, 1, 0, 0, 0)
+            or libc.syscall(446, ruleset, 0)):  # PR_SET_NO_NEW_PRIVS, then restrict this process and its children
+        raise SystemExit("sandbox: Landlock failed: " + os.strerror(ctypes.get_errno()))
+    os.close(ruleset)
+    os.close(lib)
+    del ctypes, struct, libc, abi, access, ruleset, lib, rule
+    for m in ("ctypes", "ctypes._endian", "_ctypes"):
+        sys.modules.pop(m, None)
+if uid >= 0:
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, 0, 0)
+    if not os.access(os.__file__, os.R_OK):  # the standard library is closed to other users: load the usual now
+        import array, bisect, collections, functools, heapq, itertools, math, operator, re, string
+    os.setresuid(uid, uid, uid)
+def hook(event, args, lib=os.path.realpath(os.path.dirname(os.__file__)) + os.sep, real=os.path.realpath,
+         write=os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC, isinstance=isinstance,
+         deny=("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.kill", "os.ch",
+               "signal.pthread_kill", "pty.", "os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.symlink",
+               "os.link", "os.truncate", "os.utime", "os.setxattr", "os.removexattr", "shutil.", "ctypes."),
+         Err=PermissionError):
+    if (event.startswith(deny) or event == "object.__setattr__" and args[0] is hook
+            or event == "import" and args[0].partition(".")[0] in ("ctypes", "_ctypes", "_posixsubprocess")
+            or event == "open" and not isinstance(args[0], int)
+            and ((args[2] or 0) & write or not real(args[0]).startswith(lib))):  # reads of the standard library only
+        raise Err("sandbox: " + event + " is not allowed")
+sys.addaudithook(hook)
+sys.argv = ["prog.py"]
+os.write(1, b"ready\n")
+for i in range(0, len(fds), 2):
+    pid = os.fork()
+    if pid == 0:  # one test: its input and output files, nothing else open
+        for fd, std in ((fds[i], 0), (fds[i + 1], 1), (null, 2)):
+            os.dup2(fd, std)
+        os.closerange(3, 1 << 16)
+        try:
+            exec(code, {"__name__": "__main__"})
+            rc = 0
+        except SystemExit as e:
+            rc = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            rc = 1
+        try:
+            sys.stdout.flush()
+        except BaseException:
+            rc = 1
+        os._exit(rc & 255)
+    os.write(1, b"%d\n" % os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+def _kill_sandbox(proc, uid, box):
+    """Kill a sandbox's process group (with a PID namespace the kernel then kills the rest), then sweep: what left
+    the group by setsid() still has the sandbox's uid, or its directory as working directory (chdir is refused)."""
+    with contextlib.suppress(OSError):
+        os.killpg(proc.pid, 9)
+    proc.wait()
+    proc.stdout.close()
+    for _ in range(200):
+        strays = _processes(lambda pid, status: status["State"].split()[0] != "Z" and (
+            int(status["Uid"].split()[0]) == uid or os.readlink(f"/proc/{pid}/cwd") == box))
+        for pid, _ in strays:
+            with contextlib.suppress(OSError):  # it may have died since the scan
+                os.kill(pid, 9)
+        if not strays:
+            break
+        time.sleep(0.005)
+
+
+def _processes(match):
+    """[(pid, status fields)] of the processes for which match(pid, status) holds, from /proc."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        # a process may be gone meanwhile, or not ours to inspect
+        with contextlib.suppress(OSError, KeyError, ValueError):
+            with open(f"/proc/{pid}/status") as f:
+                status = dict(line.split(":", 1) for line in f if ":" in line)
+            if match(pid, status):
+                found.append((int(pid), status))
+    return found
+
+
+def _stripped_lines(text):  # outputs compare line by line, trailing whitespace ignored
+    return [line.rstrip() for line in text.rstrip().splitlines()]

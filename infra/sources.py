@@ -1,0 +1,344 @@
+"""Where problems and models come from, and the checkers that need a process: importing it fills data.CHECKERS.
+
+- `load_problems`: val's ids and questions never appear in train, and the same arguments give the same split. A
+  user's mistake (an unknown source, option or column, a missing file or one of another type, a hub dataset not cached
+  offline, a bad reasoning-gym option) is a one-line ValueError that names the choices.
+- A math answer column holds the answer, or a worked solution: MATH's last \\boxed{}, and (**choice**: in any source
+  but "math") for an answer containing "####" a GSM8K solution: the number after the last "####" without commas,
+  the text before it the trace. Rows with a `tests` column are code: their stdin/stdout tests.
+- The checkers never raise and keep to their deadline: "math" (Math-Verify in a child process, killed past it), "rg:"
+  (the task's scorer; an exact match for problems made in another process), "code" (infra/sandbox.py).
+- `load_data` and `load_model` end the run with one line (`infra.fail`) on a user's mistake.
+"""
+import atexit
+import dataclasses
+import difflib
+import importlib.util
+import json
+import os
+import random
+import select
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+import data
+import trainer
+from data import Problem
+from infra import fail, first_line, print0, sandbox
+
+_RG_ENTRIES = {}  # Problem -> (reasoning-gym dataset, entry): the entry its scorer needs (Problem is frozen)
+
+
+def _check_rg(problem, text, timeout):
+    dataset, entry = _RG_ENTRIES.get(problem, (None, None))
+    if dataset is None:  # not generated in this process: fall back to an exact match
+        return text == problem.answer
+    # scorers are plain Python: a daemon thread with a deadline bounds them (a stuck one lingers)
+    scores = []
+    thread = threading.Thread(target=lambda: scores.append(dataset.score_answer(answer=text, entry=entry)), daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(scores) and scores[0] >= 1.0
+
+
+# The Math-Verify worker, run by `python -c` (it needs nothing of the project, and no torch): a JSON line [gold, pred]
+# in, "1" or "0" out; bare gold answers ("3/4") parse as LaTeX math, and any failure is a failed check.
+_MATH_WORKER_LOOP = r"""
+import json, logging, sys
+from math_verify import parse, verify
+logging.disable(logging.WARNING)
+gold_cache = {}
+print("ready", flush=True)
+for line in sys.stdin:
+    try:
+        gold, pred = json.loads(line)
+        if gold not in gold_cache:
+            gold_cache[gold] = parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$", parsing_timeout=None)
+        ok = verify(gold_cache[gold], parse(pred, parsing_timeout=None), timeout_seconds=None)
+    except Exception:
+        ok = False
+    print("1" if ok else "0", flush=True)
+"""
+
+
+class _MathWorker:
+    """Math-Verify in a child process. Its own time-outs use signals (main thread only) and a thread cannot stop SymPy
+    inside one long C call (e.g. 9^{9^{9^9}} holds the GIL), so a check that runs past its deadline kills the child;
+    the next check starts a fresh one (~1 s). Cost ~1-5 ms a check."""
+
+    def __init__(self):
+        self.proc, self.lock = None, threading.Lock()
+
+    def _read(self, timeout):  # one line from the child, or None after timeout seconds
+        ready = select.select([self.proc.stdout], [], [], timeout)[0]
+        return self.proc.stdout.readline().strip() if ready else None
+
+    def stop(self):
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def check(self, problem, text, timeout):
+        with self.lock:
+            try:
+                if self.proc is None or self.proc.poll() is not None:
+                    self.proc = subprocess.Popen([sys.executable, "-c", _MATH_WORKER_LOOP], stdin=subprocess.PIPE,
+                                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                                 encoding="utf-8")
+                    if self._read(120.0) != "ready":
+                        raise RuntimeError("math-verify worker did not start; is math-verify installed?")
+                # answers are short; the tail keeps a final \boxed{} of a long one
+                self.proc.stdin.write(json.dumps([problem.answer, text[-2000:]]) + "\n")
+                self.proc.stdin.flush()
+                out = self._read(timeout)
+            except (OSError, RuntimeError, ValueError):
+                out = None
+            if out is None:  # too slow or dead: start over on the next check
+                self.stop()
+            return out == "1"
+
+
+_MATH_WORKER = _MathWorker()
+atexit.register(_MATH_WORKER.stop)  # a child stuck in SymPy would not notice its parent leaving
+data.CHECKERS.update({"math": _MATH_WORKER.check, "rg:": _check_rg, "code": sandbox.check_answer})
+
+
+def _gsm8k_answer(text):  # (trace, answer) of an answer cell: "steps #### 1,234" -> ("steps ", "1234"); else ("", text)
+    solution, hashes, tail = text.rpartition("####")
+    number = data._NUMBER.search(tail.replace(",", ""))
+    return (solution, number[0] if number else None) if hashes else ("", text)
+
+
+def last_boxed(text):
+    """Content of the last \\boxed{...} in text (nested braces allowed), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j]
+    return None
+
+
+def _stdin_tests(cell):
+    """A DeepCoder/TACO `tests` cell (maybe JSON: a list of {input, output} or [input, output], or a dict of inputs
+    and outputs lists) as a code answer, JSON [[stdin, stdout], ...], without function tests; None if none."""
+    try:
+        raw = json.loads(cell) if isinstance(cell, str) else cell
+        if isinstance(raw, dict):  # "fn_name": a function's tests
+            raw = [] if raw.get("fn_name") else list(zip(raw["inputs"], raw["outputs"]))
+        cases = [dict(input=c[0], output=c[1]) if isinstance(c, (list, tuple)) else c for c in raw]
+        tests = [(c["input"], c["output"]) for c in cases if isinstance(c["input"], str)
+                 and isinstance(c["output"], str) and c.get("testtype", "stdin") == "stdin"
+                 and c.get("type", "stdin_stdout") == "stdin_stdout"]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None  # unreadable tests: the row cannot be checked
+    return json.dumps(tests) if tests else None
+
+
+PRESETS = {  # name -> (hub dataset, config, question column, answer column, answer cell -> (trace, answer))
+    "polaris": ("POLARIS-Project/Polaris-Dataset-53K", None, "problem", "answer", _gsm8k_answer),
+    "gsm8k": ("openai/gsm8k", "main", "question", "answer", _gsm8k_answer),
+    "math": ("DigitalLearningGmbH/MATH-lighteval", "default", "problem", "solution", lambda s: (s, last_boxed(s))),
+    "deepcoder": ("agentica-org/DeepCoder-Preview-Dataset", "primeintellect", "problem", "tests", None),  # code
+}
+FILE_TYPES = (".json", ".jsonl", ".parquet")
+
+
+def _read_rows(source, path, hub, config, split):
+    """The rows of the local file `path`, or when it is None of the hub dataset (offline: from the local cache)."""
+    if path is None:
+        import datasets
+        try:
+            return list(datasets.load_dataset(hub, config, split=split))
+        except Exception as e:  # offline, unreachable or unknown: one actionable line
+            raise ValueError(f"cannot load dataset {source!r} (hub: {hub}): {first_line(e)}. Provide it locally: "
+                             f"save it as .json/.jsonl/.parquet and pass --data_path=FILE (or the file as the "
+                             f"source)") from None
+    if not path.endswith(FILE_TYPES) or not os.path.isfile(path):
+        why = "does not exist" if path.endswith(FILE_TYPES) else "is not a .json, .jsonl or .parquet file"
+        raise ValueError(f"dataset file {path!r} {why}")
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+        return pq.read_table(path).to_pylist()
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()] if path.endswith(".jsonl") else json.load(f)
+    if isinstance(rows, dict):  # column-oriented {"problem": [...], "answer": [...]}
+        rows = [dict(zip(rows, values)) for values in zip(*rows.values())]
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"{path!r}: expected a list of records or a dict of columns")
+    return rows
+
+
+def _rows_to_problems(rows, source, prompt_key, answer_key, trace_key, answer_fn):
+    """Problems from rows, code when answer_fn is None; a row without a question or a checkable answer is skipped."""
+    for key in (prompt_key, answer_key):
+        if rows and key not in rows[0]:
+            raise ValueError(f"dataset {source!r} has no column {key!r}; columns: {sorted(rows[0])}; pass "
+                             f"--prompt_key/--answer_key")
+    task, instruction = ("math", data.MATH_INSTRUCTION) if answer_fn else ("code", data.CODE_INSTRUCTION)
+    out = []
+    for i, row in enumerate(rows):
+        question, answer, trace = row.get(prompt_key), row.get(answer_key), ""
+        if answer_fn is None:
+            answer = _stdin_tests(answer)
+        elif answer is not None:
+            trace, answer = answer_fn(str(answer))
+            trace = str(row.get(trace_key) or "") if trace_key else trace
+        if question is not None and answer is not None and str(question).strip() and str(answer).strip():
+            out.append(Problem(i, str(question).strip() + instruction, str(answer).strip(), task, 0, trace.strip()))
+    if not out and answer_fn is None:
+        raise ValueError(f"dataset {source!r}: no row has stdin/stdout tests in its {answer_key!r} column")
+    return out
+
+
+def _reasoning_gym(source, size, seed, options):
+    """Problems of the reasoning-gym task "rg:<name>" with `options` (its config's fields)."""
+    from reasoning_gym.factory import DATASETS, create_dataset
+    name, tasks = source[3:], sorted(DATASETS)
+    if name not in tasks:
+        raise ValueError(f"unknown reasoning-gym task {name!r}; {len(tasks)} tasks, e.g. "
+                         f"{', '.join(difflib.get_close_matches(name, tasks, 6) or tasks[:8])}")
+    known = [f.name for f in dataclasses.fields(DATASETS[name][1]) if f.name not in ("size", "seed")]
+    if set(options) - set(known):
+        raise ValueError(f"reasoning-gym task {name!r} has no option {sorted(set(options) - set(known))}; its "
+                         f"options: {', '.join(known)}")
+    try:
+        dataset = create_dataset(name, size=size, seed=seed, **options)
+    except Exception as e:  # a bad value: the task's own message
+        raise ValueError(f"reasoning-gym task {name!r} with options {options}: {first_line(e)}") from None
+    problems = []
+    for i in range(len(dataset)):
+        entry = dataset[i]
+        problems.append(Problem(i, entry["question"] + data.RG_INSTRUCTION, str(entry["answer"]), source))
+        _RG_ENTRIES[problems[-1]] = (dataset, entry)
+    return problems
+
+
+def _split(problems, n_val, n_train, seed, source):
+    if len(problems) <= n_val:
+        raise ValueError(f"source {source!r} has {len(problems)} usable prompts; n_val={n_val} leaves "
+                         f"none for training; pass a smaller n_val")
+    order = list(range(len(problems)))
+    random.Random(seed).shuffle(order)
+    val = [problems[i] for i in order[:n_val]]
+    seen = {p.question for p in val}  # the same question under another id must not leak into training
+    train = [problems[i] for i in order[n_val:] if problems[i].question not in seen]
+    return train[:n_train] if n_train is not None else train, val
+
+
+def load_problems(source, n_val=1000, seed=0, n_train=None, prompt_key=None, answer_key=None, data_path=None,
+                  rg_options=None, **kw):
+    """(train, val) lists of Problem. source: "arith" or "code" (kw: levels, error_rate), "rg:<task>" (its options
+    as rg_options={...} or kw), both with n_train 5000 by default; a preset (data_path=FILE: a local copy), a hub
+    "owner/name" or a .json/.jsonl/.parquet file (prompt_key, answer_key, kw trace_key: columns; kw config, split)."""
+    rg, is_file = source.startswith("rg:"), source.endswith(FILE_TYPES)
+    allowed = (("levels", "error_rate") if source in ("arith", "code") else ("rg_options",) if rg else
+               ("prompt_key", "answer_key", "data_path", "config", "split", "trace_key"))
+    given = {k for k, v in dict(prompt_key=prompt_key, answer_key=answer_key, data_path=data_path,
+                                rg_options=rg_options).items() if v is not None} | (set() if rg else set(kw))
+    if given - set(allowed):
+        raise ValueError(f"unknown options for source {source!r}: {sorted(given - set(allowed))}; expected "
+                         f"{', '.join(allowed)}")
+    if source in ("arith", "code"):
+        make = data.arith_problems if source == "arith" else data.code_problems
+        val = make(n_val, seed, split="val", start_id=0, **kw)
+        return make(5000 if n_train is None else n_train, seed, split="train", start_id=n_val, **kw), val
+    if rg:
+        n_train = 5000 if n_train is None else n_train
+        problems = _reasoning_gym(source, n_val + n_train, seed, {**(rg_options or {}), **kw})
+        return _split(problems, n_val, n_train, seed, source)
+    if source not in PRESETS and not is_file and ("/" not in source or os.path.exists(source)):
+        raise ValueError(f"unknown source {source!r}: expected arith, code, rg:<task> (a reasoning-gym task), a preset "
+                         f"({', '.join(PRESETS)}; --data_path=FILE reads a local copy), a hub dataset owner/name or a "
+                         f"file path ending .json/.jsonl/.parquet")
+    hub, config, prompt_col, answer_col, answer_fn = PRESETS.get(source, (source, None, "problem", "answer",
+                                                                          _gsm8k_answer))
+    rows = _read_rows(source, data_path or (source if is_file else None), hub, kw.get("config", config),
+                      kw.get("split", "train"))
+    if answer_fn is None or rows and "tests" in rows[0] and answer_key in (None, "tests"):  # DeepCoder-style
+        answer_col, answer_fn = "tests", None
+    elif importlib.util.find_spec("math_verify") is None:  # else every math reward would quietly fail
+        raise ValueError(f"source {source!r} is checked with math-verify: pip install math-verify")
+    problems = _rows_to_problems(rows, source, prompt_key or prompt_col, answer_key or answer_col,
+                                 kw.get("trace_key"), answer_fn)
+    return _split(problems, n_val, n_train, seed, source)
+
+
+def combine(parts):
+    """One (train, val) from several sources' (train, val) pairs, ids shifted to stay unique across them."""
+    train, val = [], []
+    for part_train, part_val in parts:
+        if train or val:
+            shift = max(p.id for p in train + val) + 1
+            renamed = {p: dataclasses.replace(p, id=p.id + shift) for p in part_train + part_val}
+            _RG_ENTRIES.update({renamed[p]: _RG_ENTRIES[p] for p in renamed if p in _RG_ENTRIES})
+            part_train, part_val = [renamed[p] for p in part_train], [renamed[p] for p in part_val]
+        train, val = train + part_train, val + part_val
+    return train, val
+
+
+def load_data(cfg):
+    """(train problems, held-out problems, task names). A mixture ("arith+code") gives each source an equal share of
+    the held-out and training prompts, and each task its own curve (Sec. 7)."""
+    levels = tuple(int(x) for x in cfg.levels.split(","))
+    sources = cfg.task.split("+")
+    given = dict(data_path=cfg.data_path, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key)
+    options = {k: v for k, v in given.items() if v}  # for datasets; the built-in tasks take levels
+    options.update(json.loads(cfg.task_options or "{}"))
+    try:
+        train, val = combine([load_problems(
+            src, n_val=max(1, cfg.eval_prompts // len(sources)), seed=cfg.seed,
+            n_train=max(1, cfg.n_train // len(sources)),
+            **(dict(levels=levels) if src == "arith" else {} if src == "code" else options)) for src in sources])
+    except ValueError as e:
+        fail(str(e))
+    if cfg.model == "tiny" and not set(sources) <= {"arith", "code"}:
+        fail(f"the tiny character-level model only covers --task=arith, code or arith+code; pass --model=<hub name or "
+             f"path> for {cfg.task}")
+    tasks = list(dict.fromkeys(p.task for p in val))  # checker names (arith, code, math, rg:...)
+    if "code" in tasks and sandbox.sandbox_mode() is None:
+        fail("no sandbox for running programs works here (see infra/sandbox.py); code tasks need one")
+    if "code" in tasks and cfg.model == "tiny" and cfg.answer_budget < data.CODE_ANSWER_TOKENS:
+        print0(f"note: --answer_budget raised from {cfg.answer_budget} to {data.CODE_ANSWER_TOKENS} tokens for the "
+               "built-in programs")
+        cfg.answer_budget = data.CODE_ANSWER_TOKENS
+    return train, val, tasks
+
+
+def load_model(cfg, tasks):
+    """(model, tokenizer): the tiny Llama and its character tokenizer built in code, or any causal LM by hub name or
+    path (fp32 master weights)."""
+    if cfg.model == "tiny":
+        tok = data.char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=" + ("code" in tasks) * data.CODE_CHARS)
+        return trainer.tiny_model(cfg, len(tok)), tok
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    t0 = time.time()
+    print0(f"loading {cfg.model} ...", flush=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(cfg.model)
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+    except (OSError, ValueError) as e:  # a hub name offline or unknown, or a path without a model
+        fail(f"cannot load --model={cfg.model}: {first_line(e)}; pass a local path, or go online "
+             "once so the hub copy is cached")
+    if tok.eos_token_id is None:
+        fail(f"the tokenizer of --model={cfg.model} has no end-of-sequence token; set eos_token in its config")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token  # padding is masked out of the loss: any id will do
+    missing = [t for t in (data.THINK_OPEN, data.THINK_CLOSE) if len(data.encode(tok, t)) != 1]
+    # stop rules and the interruption match these tokens exactly; new rows start at the mean embedding
+    if missing:
+        tok.add_tokens(missing)
+        if len(tok) > model.get_input_embeddings().weight.shape[0]:
+            model.resize_token_embeddings(len(tok), mean_resizing=True)
+        print0(f"note: {' and '.join(missing)} added to the tokenizer of {cfg.model} as single tokens (vocabulary "
+               f"{len(tok)}), so the thinking close and the interruption phrase are exact")
+    print0(f"loaded {cfg.model} in {time.time() - t0:.0f}s")
+    return model, tok
