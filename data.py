@@ -1,7 +1,8 @@
 """Problems, the prompt format, the built-in tasks and the reward contract for scalerl. No project imports.
 
 A prompt ends with <think>; the model writes its thinking, </think>, then the answer. Datasets, and the checkers that
-need a process or a sandbox (registered in `CHECKERS`), are in infra/sources.py and infra/sandbox.py.
+need a process or a sandbox (registered in `CHECKERS`), are in infra/sources.py and infra/sandbox.py. Run
+`python data.py` to print a few built-in problems, their prompt and their supervised target.
 
 The paper's choices made here:
 1. Binary reward +1 / -1 from a verifier (Sec. 3.2), read after the thinking trace: math with Math-Verify, code by
@@ -9,8 +10,6 @@ The paper's choices made here:
 2. A held-out validation split that never enters training (App. A.3): the built-in tasks split the space of
    questions by a hash, so no question is on both sides.
 3. The forced-interruption phrase (App. A.10) ends with `</think>`, so an interrupted completion still has an answer.
-
-Run `python data.py` to print a few built-in problems, their prompt and their supervised target.
 """
 import concurrent.futures
 import dataclasses
@@ -108,10 +107,8 @@ def arith_problems(n, seed=0, levels=(1, 2, 3, 4, 5), error_rate=0.0, start_id=0
     wrong sum, so the warm-started model is only partly competent; `answer` is always the true sum."""
     if not levels or any(not isinstance(L, int) or L < 1 for L in levels):
         raise ValueError(f"arith levels must be integers >= 1, got {levels!r}")
-    if not 0.0 <= error_rate <= 1.0:
-        raise ValueError(f"arith error_rate must be in [0, 1], got {error_rate}")
-    if split not in (None, "val", "train"):
-        raise ValueError(f"arith split must be None, 'val' or 'train', got {split!r}")
+    if not 0.0 <= error_rate <= 1.0 or split not in (None, "val", "train"):
+        raise ValueError(f"arith error_rate must be in [0, 1], split None/'val'/'train'; got {error_rate}, {split!r}")
     out = []
     for pid in range(start_id, start_id + n):
         level, rng = levels[pid % len(levels)], random.Random(f"arith:{seed}:{pid}")
@@ -121,8 +118,6 @@ def arith_problems(n, seed=0, levels=(1, 2, 3, 4, 5), error_rate=0.0, start_id=0
             question = "+".join(map(str, terms))
             if _in_split(question, seed, split):
                 break
-        else:
-            raise RuntimeError(f"arith level {level} has no {split} question for seed {seed}")
         # Slips use their own stream and draw for every step, so the question does not depend on
         # error_rate and the slipped steps at a lower rate are a subset of those at a higher one.
         slip, steps, total = random.Random(f"slip:{seed}:{pid}"), [], terms[0]
@@ -200,8 +195,7 @@ def _check_arith(problem, text, timeout):
     return bool(number) and number[1] is None and len(number[0]) <= 30 and int(number[0]) == int(problem.answer)
 
 
-# Task, or task prefix such as "rg:", -> check(problem, answer text, timeout) -> bool. infra/sources.py registers
-# the checkers that need a process or a sandbox: "math" (Math-Verify), "rg:" (reasoning-gym), "code" (the sandbox).
+# task (or prefix such as "rg:") -> check(problem, answer text, timeout) -> bool; infra/sources.py adds math, rg:, code
 CHECKERS = {"arith": _check_arith}
 _REWARD_THREADS = concurrent.futures.ThreadPoolExecutor(CODE_WORKERS, thread_name_prefix="reward")
 

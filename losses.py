@@ -17,10 +17,9 @@ REINFORCE minimises `-r * log pi(y_t)` on samples from the current policy. Each 
 7. FP32 head (Sec. 3.2, Fig. 5b): float32 logits on both generator (`head_logits`) and trainer (`head_logprobs`),
    logprobs after the sampling temperature; it lifted the asymptote from 0.52 to 0.61 by removing a ratio bias.
 
-ScaleRL = CISPO + prompt aggregation + batch advantage normalisation + zero-variance filtering +
-No-Positive-Resampling + FP32 head. Filtering and resampling act on prompts and live in data.py: pass only the
-kept groups here, or zero the mask of dropped ones (a group without loss tokens is not counted). Tests:
-`python -m pytest tests/test_losses.py -q`; the chunked FP32 head's memory: `python bench/token_logprobs.py`.
+ScaleRL = CISPO + prompt aggregation + batch advantage normalisation + zero-variance filtering + NPR + FP32 head.
+Filtering and No-Positive-Resampling (NPR) act on prompts (pipeline_rl.py): pass only the kept groups here, or zero the
+mask of dropped ones (a group without loss tokens is not counted). The FP32 head's memory: bench/token_logprobs.py.
 """
 import torch
 
@@ -28,10 +27,9 @@ import torch
 # ----------------------------------------------------------------------------- advantages (Sec. 3.2)
 def group_advantages(rewards, group, norm="batch", eps=1e-6):
     """(B,) advantages from (B,) rewards and (B,) integer prompt ids (any values, any order)."""
-    if rewards.dim() != 1 or group.shape != rewards.shape:
-        raise ValueError(f"rewards and group must both be (B,); got {tuple(rewards.shape)}, {tuple(group.shape)}")
-    if norm not in ("batch", "prompt", "none"):
-        raise ValueError(f"norm must be one of 'batch', 'prompt', 'none'; got {norm!r}")
+    assert rewards.dim() == 1 and group.shape == rewards.shape, (
+        f"rewards and group must both be (B,); got {tuple(rewards.shape)}, {tuple(group.shape)}")
+    assert norm in ("batch", "prompt", "none"), norm
     r = rewards if rewards.is_floating_point() else rewards.float()
     _, idx = torch.unique(group, return_inverse=True)  # (B,) group index 0..n-1
     n = int(idx.max()) + 1 if idx.numel() else 0
@@ -43,9 +41,9 @@ def group_advantages(rewards, group, norm="batch", eps=1e-6):
     adv = r - (per_group(r) / count)[idx]
     live = (per_group(r, "amax") > per_group(r, "amin"))[idx]  # (B,) the group's rewards differ
     adv = torch.where(live, adv, torch.zeros_like(adv))  # exactly 0, not round-off
-    if norm == "batch":  # ScaleRL: one std over every completion passed in (unbiased; our choice): with the
-        # zero-variance filter off, the flat groups' zero advantages count too
-        std = adv.std() if live.any() and adv.numel() > 1 else 0.0  # no live group: nothing to learn from
+    # ScaleRL: one std (unbiased; our choice) over all completions passed in, kept zero-variance groups' zeros too
+    if norm == "batch":
+        std = adv.std() if live.any() and adv.numel() > 1 else 0.0
         return adv / std if std > 0 else torch.zeros_like(adv)
     if norm == "prompt":  # GRPO: each group by its own (unbiased) std
         var = per_group(adv * adv) / (count - 1).clamp(min=1)
@@ -58,9 +56,8 @@ def _per_token(adv, logp):
     """Advantages as (B, T): a (B,) sequence advantage is broadcast over its tokens."""
     if adv.dim() == 1 and adv.shape[0] == logp.shape[0]:
         return adv[:, None]
-    if adv.shape == logp.shape:
-        return adv
-    raise ValueError(f"adv must be (B,) or (B, T) with (B, T) = {tuple(logp.shape)}; got {tuple(adv.shape)}")
+    assert adv.shape == logp.shape, f"adv must be (B,) or (B, T) = {tuple(logp.shape)}; got {tuple(adv.shape)}"
+    return adv
 
 
 def cispo(logp, gen_logp, adv, eps_max=4.0):
@@ -84,23 +81,19 @@ def _seq_log_ratio(logp, gen_logp, mask):
 
 
 def gspo(logp, gen_logp, adv, mask, eps_low=3e-3, eps_high=5e-3):
-    """GSPO in token form, (B, T): s_it = sg(s_i) * pi/sg(pi) has the value of the sequence ratio s_i and the gradient
-    s_i * grad log pi(y_t); with a per-sequence A and sample aggregation it is sequence-level GSPO exactly (tested)."""
+    """GSPO in token form, (B, T): PPO clipping of s_it = sg(s_i) * pi/sg(pi), the value of the sequence ratio s_i with
+    the gradient s_i * grad log pi(y_t); with a per-sequence A and sample aggregation, sequence-level GSPO (tested)."""
     log_s = _seq_log_ratio(logp, gen_logp, mask).detach()  # (B,)
-    s = torch.exp(log_s[:, None] + logp - logp.detach())  # (B, T)
-    a = _per_token(adv, logp)
-    return -torch.minimum(s * a, s.clamp(1 - eps_low, 1 + eps_high) * a)
+    return ppo_clip(log_s[:, None] + logp, logp.detach(), adv, eps_low, eps_high)
 
 
 # ----------------------------------------------------------------------------- aggregation (Sec. 3.2)
 def aggregation_weights(mask, group, how="prompt", dtype=None):
-    """(B, T) weights w with aggregate = (per_token * w).sum(). Computed once on the whole batch and sliced to
-    micro-batches, the sliced sums add up to the full loss exactly. Completions (prompts) without loss tokens
-    contribute nothing and are not counted."""
-    if how not in ("prompt", "sample", "token"):
-        raise ValueError(f"how must be one of 'prompt', 'sample', 'token'; got {how!r}")
-    if mask.dim() != 2 or group.shape != mask.shape[:1]:
-        raise ValueError(f"mask must be (B, T) and group (B,); got {tuple(mask.shape)} and {tuple(group.shape)}")
+    """(B, T) weights w with aggregate = (per_token * w).sum(); sliced to micro-batches, the sums add up to the full
+    loss exactly. Completions (prompts) without loss tokens contribute nothing and are not counted."""
+    assert how in ("prompt", "sample", "token"), how
+    assert mask.dim() == 2 and group.shape == mask.shape[:1], (
+        f"mask must be (B, T) and group (B,); got {tuple(mask.shape)} and {tuple(group.shape)}")
     dtype = dtype or (mask.dtype if mask.is_floating_point() else torch.float32)
     m = mask.bool().to(dtype)  # (B, T)
     n_tok = m.sum(-1)  # (B,) loss tokens per completion
@@ -133,15 +126,11 @@ LOSSES = {"cispo": cispo, "dapo": ppo_clip, "grpo": ppo_clip, "gspo": gspo}  # (
 def policy_loss(logp, gen_logp, adv, mask, weights, loss="cispo", **kw):
     """(scalar loss, diagnostics). `weights` come from aggregation_weights on the whole batch (sliced for a
     micro-batch); kw overrides the loss's options (eps_max; eps_low, eps_high)."""
-    if loss not in LOSSES:
-        raise ValueError(f"loss must be one of {sorted(LOSSES)}; got {loss!r}")
-    fn, opts = LOSSES[loss], dict(DEFAULTS[loss])
-    if set(kw) - set(opts):
-        raise ValueError(f"loss {loss!r} takes options {sorted(opts)}; got {sorted(kw)}")
-    opts.update(kw)
-    if not (logp.shape == gen_logp.shape == mask.shape == weights.shape) or logp.dim() != 2:
-        shapes = [tuple(x.shape) for x in (logp, gen_logp, mask, weights)]
-        raise ValueError(f"logp, gen_logp, mask, weights must all be the same (B, T); got {shapes}")
+    assert loss in LOSSES, loss
+    assert set(kw) <= set(DEFAULTS[loss]), f"loss {loss!r} takes options {sorted(DEFAULTS[loss])}; got {sorted(kw)}"
+    fn, opts = LOSSES[loss], {**DEFAULTS[loss], **kw}
+    assert logp.shape == gen_logp.shape == mask.shape == weights.shape and logp.dim() == 2, (
+        f"need equal (B, T) shapes; got {[tuple(x.shape) for x in (logp, gen_logp, mask, weights)]}")
     m = mask.bool()
     per_token = fn(logp, gen_logp, adv, mask, **opts) if loss == "gspo" else fn(logp, gen_logp, adv, **opts)
     total = torch.where(m, per_token * weights, torch.zeros_like(per_token)).sum()
@@ -163,9 +152,8 @@ def policy_loss(logp, gen_logp, adv, mask, weights, loss="cispo", **kw):
 
 # ----------------------------------------------------------------------------- FP32-head logprobs (Sec. 3.2, Fig. 5b)
 class _FP32HeadLogprobs(torch.autograd.Function):
-    """Logprobs of targets under softmax(h W^T / tau), chunk by chunk over tokens. Forward keeps a log-normaliser per
-    token, backward recomputes each chunk's logits, both in place in one reused (chunk, V) buffer: autograd through
-    log_softmax would keep every chunk's logits, per-chunk checkpointing several fresh (chunk, V) tensors."""
+    """Logprobs of targets under softmax(h W^T / tau), chunk by chunk: forward keeps a log-normaliser per token,
+    backward recomputes each chunk's logits, in place in one reused (chunk, V) buffer (autograd would keep them all)."""
 
     @staticmethod
     def forward(ctx, h, w, targets, chunk, tau):  # h (N, H), w (V, H), targets (N,)
@@ -202,8 +190,7 @@ class _FP32HeadLogprobs(torch.autograd.Function):
 
 
 def _chunks(h, wf, chunk, tau):
-    """Per chunk of tokens: its slice, its hidden states in the head's dtype (C, H) and its logits / tau (C, V),
-    each chunk's logits written over the last's in one (chunk, V) buffer, the only large tensor."""
+    """Per chunk of tokens: its slice, hidden states (C, H) in the head's dtype, logits / tau (C, V) in one buffer."""
     buf = wf.new_empty(min(chunk, h.shape[0]), wf.shape[0])
     for i in range(0, h.shape[0], chunk):
         hc = h[i:i + chunk].to(wf.dtype)
@@ -212,34 +199,26 @@ def _chunks(h, wf, chunk, tau):
 
 
 def token_logprobs(hidden, head_weight, targets, chunk=1024, temperature=1.0):
-    """(B, T) logprobs of targets under the LM head in FP32 (Sec. 3.2), after temperature (the distribution sampled).
-    hidden (B, T, H) of any dtype, head_weight (V, H); float32 results (float64 if an input is). Differentiable in
-    hidden and head_weight; the full (B*T, V) float32 logits never exist, in forward or backward."""
-    if hidden.dim() != 3 or head_weight.dim() != 2 or hidden.shape[-1] != head_weight.shape[1]:
-        raise ValueError(f"need hidden (B, T, H) and head_weight (V, H); got {tuple(hidden.shape)}, "
-                         f"{tuple(head_weight.shape)}")
-    if targets.shape != hidden.shape[:2] or targets.is_floating_point():
-        raise ValueError(f"targets must be integer (B, T) = {tuple(hidden.shape[:2])}; got {targets.dtype} "
-                         f"{tuple(targets.shape)}")
-    if targets.numel() and (targets.min() < 0 or targets.max() >= head_weight.shape[0]):
-        raise ValueError(f"targets must lie in [0, {head_weight.shape[0]}); got values from {int(targets.min())} "
-                         f"to {int(targets.max())}")
-    if int(chunk) < 1 or temperature <= 0:
-        raise ValueError(f"chunk must be >= 1 and temperature > 0; got chunk={chunk}, temperature={temperature}")
-    B, T, H = hidden.shape
-    return _FP32HeadLogprobs.apply(hidden.reshape(B * T, H), head_weight, targets.reshape(-1).long(), int(chunk),
-                                   float(temperature)).view(B, T)
+    """(B, T) float32 (float64 if an input is) logprobs of targets under the FP32 LM head after temperature (Sec. 3.2),
+    differentiable in hidden (B, T, H, any dtype) and head_weight (V, H); the (B*T, V) float32 logits never exist."""
+    assert (hidden.dim() == 3 and head_weight.dim() == 2 and hidden.shape[-1] == head_weight.shape[1]
+            and targets.shape == hidden.shape[:2] and not targets.is_floating_point()), (
+        f"need hidden (B, T, H), head_weight (V, H) and integer targets (B, T); got {tuple(hidden.shape)}, "
+        f"{tuple(head_weight.shape)}, {targets.dtype} {tuple(targets.shape)}")
+    assert not targets.numel() or (targets.min() >= 0 and targets.max() < head_weight.shape[0]), (
+        f"targets must lie in [0, {head_weight.shape[0]}); got {int(targets.min())} to {int(targets.max())}")
+    assert int(chunk) >= 1 and temperature > 0, f"need chunk >= 1 and temperature > 0; got {chunk}, {temperature}"
+    return _FP32HeadLogprobs.apply(hidden.flatten(0, 1), head_weight, targets.flatten().long(), int(chunk),
+                                   float(temperature)).view(targets.shape)
 
 
 def head_logits(hidden, weight, head_dtype=torch.float32):
-    """Float32 LM-head logits for the generator's sampling. head_dtype float32 is the FP32 head (Sec. 3.2, Fig. 5b):
-    hidden states and weight upcast before the matmul; a lower head_dtype (e.g. bf16) runs the matmul in it."""
+    """The generator's float32 LM-head logits, the matmul in head_dtype (float32: the FP32 head, Sec. 3.2, Fig. 5b)."""
     return torch.nn.functional.linear(hidden.to(head_dtype), weight.to(head_dtype)).float()
 
 
 def head_logprobs(hidden, weight, targets, temperature=1.0, head_dtype=torch.float32):
-    """The trainer's logprobs of `targets` (B, T) from hidden states (B, T, H), after temperature, with the head
-    arithmetic of the generator's `head_logits`: FP32 chunked over tokens (`token_logprobs`), else one matmul."""
+    """Trainer logprobs of `targets` (B, T) after temperature, in `head_logits`'s arithmetic (FP32: token_logprobs)."""
     if head_dtype == torch.float32:
         return token_logprobs(hidden, weight, targets, temperature=temperature)
     logp = torch.log_softmax(head_logits(hidden, weight, head_dtype) / temperature, -1)  # (B, T, V)

@@ -1,17 +1,12 @@
-"""pipeline_rl.py: from prompts to scored batches, the generating side of ScaleRL around an engine (engine.py).
-
-The paper's choices made here (sections are the paper's):
-  1. Zero-variance filtering: a group whose completions all got the same reward leaves the loss (Sec. 3.2).
+"""pipeline_rl.py: ScaleRL's generating side, prompts to scored batches around an engine. The paper's choices here:
+  1. Zero-variance filtering (Sec. 3.2): a group whose rewards are all equal (A = 0) leaves the loss, not refilled.
   2. No-Positive-Resampling: a prompt whose pass rate reaches 0.9 is not drawn in later epochs (Sec. 3.2); choice:
      the latest observed pass rate decides, and a retirement takes effect at the next epoch.
   3. Binary rewards from a verifier (data.reward, Sec. 3.2), scored per group once all G completions are done.
-  4. PipelineRL-k (Sec. 3.1): group n may start once the generator holds policy version n // B - k; weights load in
-     flight after every optimizer step. A group that still holds a token more than k versions old when the trainer
-     takes it is dropped, so no trained token is more than k versions old; k = 0 is synchronous on-policy RL.
+  4. PipelineRL-k (Sec. 3.1): group n may start once the generator holds policy version n // B - k, weights load in
+     flight after every step, and a group with a token over k versions old when taken is dropped (k = 0: on-policy).
   5. PPO-off-policy-k (Sec. 3.1): k*B groups generated with frozen weights, then trained on as k minibatches.
   6. Held-out evaluation: mean@n pass rate on prompts never trained on, not on the compute axis (Sec. 2.1).
-
-Under torchrun the same batches come from generator ranks through infra/dist.py's TrainerLink.
 """
 from dataclasses import dataclass
 import random
@@ -34,10 +29,8 @@ class Rollouts:
     """One process's generating side around its engine: prompts from `pool` (None: evaluation only), rewards, groups."""
     def __init__(self, engine, pool, tok, max_prompt):
         self.engine, self.pool, self.tok, self.max_prompt = engine, pool, tok, max_prompt
-        # ids of problems that could not be made into a prompt: skipped from then on
-        self.bad_prompts = set()
-        # verifier errors (each scored -1); scoring runs on threads
-        self.reward_errors, self.lock = 0, threading.Lock()
+        # ids of problems whose prompt could not be built (skipped from then on); verifier errors (scored -1, threads)
+        self.bad_prompts, self.reward_errors, self.lock = set(), 0, threading.Lock()
 
     def template(self, problem, group):
         """A problem as a group template, or None (warned, counted) if its prompt cannot be built or is too long."""
@@ -52,7 +45,6 @@ class Rollouts:
                   f"{first_line(e)}", flush=True)
 
     def next_template(self, group):
-        """The curriculum's next prompt as the template of group number `group`."""
         for _ in range(1000):
             problem = self.pool.next()
             if problem.id not in self.bad_prompts and (t := self.template(problem, group)) is not None:
@@ -79,17 +71,13 @@ class Rollouts:
             s.reward = r
 
     def keep(self, group):
-        """Record a scored group in the curriculum (No-Positive-Resampling); True if the zero-variance filter keeps it
-        for the loss (Sec. 3.2)."""
         return self.pool.record(group[0].prompt_id, [s.reward for s in group])
 
     def info(self):
-        """Curriculum and fault counts for the metrics rows."""
         return dict(npr_removed=self.pool.npr_removed, epoch=self.pool.epoch, reward_errors=self.reward_errors,
                     bad_prompts=len(self.bad_prompts))
 
     def state_dict(self):
-        """What --resume needs from the generating side: curriculum, samplers, counters."""
         return dict(pool=self.pool.state_dict(), engine=self.engine.state_dict(), reward_errors=self.reward_errors,
                     bad_prompts=sorted(self.bad_prompts))
 
@@ -100,17 +88,8 @@ class Rollouts:
         self.bad_prompts.update(state["bad_prompts"])
 
 
-def zero_variance(rewards):
-    """The zero-variance filter's rule (Sec. 3.2): a group whose completions all got the same reward has zero
-    advantage and so zero gradient. It leaves the loss and is counted, not refilled. (losses.group_advantages gives
-    such a group A = 0 exactly, and trainer.train_step makes no update when no group is left.)"""
-    return all(r == rewards[0] for r in rewards)
-
-
 class PromptPool:
-    """Yields problems epoch by epoch in a seeded order; records each scored group for No-Positive-Resampling and
-    the zero-variance filter (Sec. 3.2)."""
-
+    """Problems epoch by epoch in a seeded order; records each scored group for NPR and the zero-variance filter."""
     def __init__(self, problems, seed=0, npr=True, npr_threshold=0.9, zero_var=True):
         self.problems = {p.id: p for p in problems}
         if not self.problems or len(self.problems) != len(problems):
@@ -119,11 +98,9 @@ class PromptPool:
         self.seed, self.npr, self.npr_threshold, self.zero_var = seed, npr, npr_threshold, zero_var
         self.epoch, self.position, self.removed, self.history = 0, 0, set(), {}
         self.groups_seen = self.zero_var_dropped = 0
-        # ids of the current epoch, fixed when the epoch starts
         self.order = self._epoch_order()
 
     def _epoch_order(self):
-        # a function of (seed, epoch)
         ids = sorted(set(self.problems) - self.removed)
         random.Random(f"pool:{self.seed}:{self.epoch}").shuffle(ids)
         return ids
@@ -149,14 +126,13 @@ class PromptPool:
         assert len(rewards) > 0, f"empty rewards for prompt {prompt_id}"
         rate = sum(r > 0 for r in rewards) / len(rewards)
         self.groups_seen += 1
-        # NPR: the latest observed pass rate decides (Sec. 3.2, choice). A retired prompt leaves later epochs, this
-        # epoch's order is left as is; a later, lower pass rate (a group still in flight) brings it back.
+        # NPR (Sec. 3.2, choice): the latest pass rate decides; a later, lower one (a group in flight) brings it back
         self.history[prompt_id] = rate
         if self.npr and rate >= self.npr_threshold:
             self.removed.add(prompt_id)
         else:
             self.removed.discard(prompt_id)
-        if self.zero_var and zero_variance(rewards):
+        if self.zero_var and all(r == rewards[0] for r in rewards):
             self.zero_var_dropped += 1
             return False
         return True
@@ -167,8 +143,7 @@ class PromptPool:
                 "groups_seen": self.groups_seen, "zero_var_dropped": self.zero_var_dropped}
 
     def load_state_dict(self, state):
-        unknown = set(state["order"]) - set(self.problems)
-        if unknown:
+        if unknown := set(state["order"]) - set(self.problems):
             raise ValueError(f"PromptPool state names {len(unknown)} prompt ids this pool does not have "
                              f"(e.g. {sorted(unknown)[:3]}); load the same problems before restoring")
         self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
@@ -178,10 +153,8 @@ class PromptPool:
 
 
 class MixedPool:
-    """A PromptPool per task (each with its own NPR and zero-variance curriculum), drawn from in fixed shares.
-    **choice** (the paper does not say how it mixes math and code, App. A.3): each draw goes to the task furthest
-    below its share so far, so every B consecutive prompts hold B x share of each task, to within one."""
-
+    """A PromptPool per task (each its own curriculum) drawn in fixed shares. **choice** (App. A.3 does not say how math
+    and code mix): each draw goes to the task furthest below its share, so B prompts in a row hold B x share of each."""
     def __init__(self, problems, shares, seed=0, **pool_kw):
         self.shares = {t: w / sum(shares.values()) for t, w in shares.items() if w > 0}
         self.pools = {t: PromptPool([p for p in problems if p.task == t], seed, **pool_kw) for t in self.shares}
@@ -198,7 +171,6 @@ class MixedPool:
         return self.pools[task].next()
 
     def record(self, prompt_id, rewards):
-        """PromptPool.record in the pool of the prompt's task (an unknown id is a KeyError): True if kept."""
         return self.pools[self.task_of[prompt_id]].record(prompt_id, rewards)
 
     def state_dict(self):
@@ -224,7 +196,6 @@ def make_pool(problems, tasks, code_frac=0.5, **pool_kw):
 # --- Batch sources: what the trainer's loop reads ---------------------------------------------------------------
 @dataclass
 class Batch:
-    """One optimizer step's worth of groups, scored, with the lag of their tokens at the trainer's version."""
     groups: list                   # B groups (lists of G scored Samples), admission order (trainer rank 0 only)
     kept: list                     # the groups the zero-variance filter keeps for the loss (every trainer rank)
     lag_mean: float = 0.0          # mean lag, in policy versions, of the sampled tokens
@@ -232,14 +203,13 @@ class Batch:
 
 
 def admission_limit(mode, version, k, B, dropped):
-    """How many groups may have started once `version` is loaded. PipelineRL-k: group n starts when the version is
-    at least n // B - k (a group dropped as stale gives its place back). PPO-off-policy-k: k*B groups per k versions."""
+    """How many groups may have started once `version` is loaded; a group dropped as stale gives its place back."""
     return (version + k + 1) * B + dropped if mode == "pipeline" else (version // k + 1) * k * B
 
 
 class BatchSource:
-    """What Scheduler and TrainerLink share. A group that finished out of order can hold a token more than k versions
-    older than the trainer's version when consumed: it is dropped (`dropped_stale`), never trained on."""
+    """What Scheduler and TrainerLink (infra/dist.py, torchrun) share: a group with a token more than k versions older
+    than the trainer's when consumed (it finished out of order) is dropped (`dropped_stale`), never trained on."""
     def __init__(self, k, batch_prompts):
         self.k, self.B = k, batch_prompts
         # the trainer's policy version (steps taken); groups dropped for a lag over k
@@ -270,9 +240,8 @@ class BatchSource:
 
 
 class Scheduler(BatchSource):
-    """Batches of B scored groups from one process's engine; `decode_per_step` engine steps overlap each optimizer step
-    (a cluster's generator/trainer speed ratio). "pipeline" (PipelineRL-k): group n starts at policy version n // B - k,
-    weights load in flight after each step. "ppo" (PPO-off-policy-k): k*B groups from frozen weights, k minibatches."""
+    """Batches of B scored groups from one process's engine, mode "pipeline" (PipelineRL-k) or "ppo" (PPO-off-policy-k);
+    `decode_per_step` engine steps overlap each optimizer step (a cluster's generator/trainer speed ratio)."""
     def __init__(self, rollouts, *, mode, k, batch_prompts, group_size, decode_per_step=0):
         assert mode in ("pipeline", "ppo") and k >= (mode == "ppo"), (mode, k)
         super().__init__(k, batch_prompts)
@@ -317,23 +286,19 @@ class Scheduler(BatchSource):
         self.gen_s += time.time() - t
 
     def push_weights(self, policy):
-        """The policy's new weights: PipelineRL loads them in flight (Sec. 3.1); PPO-off-policy once its k batches
-        are used up."""
+        """New weights: PipelineRL loads them in flight (Sec. 3.1), PPO-off-policy once its k batches are used up."""
         self.version += 1
         if self.mode == "pipeline" or not self.ready:
             self.engine.load_weights(policy.state(), self.version)
 
     def totals(self):
-        """Generation so far: tokens, seconds spent generating, the curriculum's counts."""
         return dict(tokens=self.engine.stats["tokens"], gen_s=self.gen_s, **self.rollouts.info())
 
 
-# --- Held-out evaluation: mean@n pass rate, not on the compute axis (Sec. 2.1) ------------------------------------------
+# --- Held-out evaluation: mean@n pass rate, not on the compute axis (Sec. 2.1) ----------------------------------------
 def evaluate(engine, rollouts, templates, n, seed, progress=None):
-    """(task, passed, length) of n completions of each held-out template with the engine's current weights. Sampling
-    and thinking budgets are re-seeded from `seed` and put back after: on an engine of its own (one process) the
-    result depends on the weights and `seed` only; on a generator rank the training completions running along share
-    the sampler. `progress(groups done)` is called as groups finish."""
+    """(task, passed, length) of n completions of each held-out template with the engine's weights; sampling and
+    thinking budgets re-seeded from `seed`, put back after (on a generator rank, training completions share them)."""
     saved = engine.rng.get_state(), engine.budget_rng.getstate()
     engine.rng.manual_seed(seed)
     engine.budget_rng.seed(seed)
@@ -345,8 +310,7 @@ def evaluate(engine, rollouts, templates, n, seed, progress=None):
 
 
 def pass_rates(results, tasks=()):
-    """The held-out row from `evaluate`'s results: pass_rate, eval_len, and with several tasks pass_rate_<task>, one
-    curve each (Sec. 7)."""
+    """The held-out row from `evaluate`'s results: pass_rate, eval_len, with several tasks pass_rate_<task> (Sec. 7)."""
     passed = np.array([r[1] for r in results], dtype=bool)
     out = dict(pass_rate=float(passed.mean()), eval_len=float(np.mean([r[2] for r in results])))
     for t in tasks if len(tasks) > 1 else []:

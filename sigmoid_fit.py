@@ -1,17 +1,14 @@
 """sigmoid_fit.py: predict where an RL run will plateau, from the first part of its curve.
 
-The paper's compute-performance curve (Sec. 2.1, App. A.4-A.7): R(C) = R0 + (A - R0) / (1 + (C_mid / C) ** B), with C
-the training compute (device-hours), R the held-out pass rate, R0 its value before RL (measured, not fitted), A the
-asymptote, B the efficiency exponent and C_mid the compute at half the gain A - R0. Choices:
-1. Grid search (App. A) over A and C_mid with the least-squares B in every cell. `paper_grid=True`: the paper's grid,
-   A 0.450..0.800 step 0.005, C_mid 100..40000 GPU-hours in 100 values (evenly spaced: the paper does not say). The
-   default grid (ours) fits a CPU run's thousandths of a device-hour and A below 0.45: A over [R0, 1], C_mid over
-   [min(C) / 10, 100 max(C)], zoomed around the best cell. `method="curve_fit"` polishes the optimum by least squares.
-   Bounds (ours): A in [R0, 1], B in [0.05, 20].
-2. `c_min` leaves out early points (App. A: below ~1.5k of a ~16k GPU-hour run, an almost linear regime).
+The paper's curve (Sec. 2.1, App. A.4-A.7): R(C) = R0 + (A - R0) / (1 + (C_mid / C) ** B), the pass rate after training
+compute C (device-hours), from R0 before RL (measured, not fitted) to the asymptote A, with efficiency exponent B and
+half of the gain at C_mid. Choices:
+1. Grid search (App. A) over A and C_mid with the least-squares B in every cell: the paper's grid, or by default one
+   that adapts to the data and zooms in (ours: a CPU run counts thousandths of a device-hour, its A can be below 0.45).
+2. Early points can be left out (App. A: below ~1.5k of a ~16k GPU-hour run, an almost linear regime).
 3. Extrapolation check (Sec. 2.1): fit on the first half of the compute budget, compare with the rest of the run.
 4. Noise margin (App. A): A varies by about +-0.015 across identical runs, the paper treats +-0.02 as noise; we add a
-   residual bootstrap of A. Recipes whose A agree within 0.02 are compared by B at their mean A (`fix_A`).
+   residual bootstrap of A. Recipes whose A agree within 0.02 are compared by B at their mean A.
 5. Power-law baseline R = A - D / C**B (App. A): it overshoots the ceiling when fitted early.
 6. "Slope equals B" (Fig. 7): log((R - R0) / (A - R)) is a straight line of slope B in log C.
 
@@ -28,8 +25,8 @@ import numpy as np
 from scipy.optimize import least_squares, minimize_scalar
 from scipy.special import expit
 
-# The paper's grid (App. A): 71 values of A, 100 of C_mid in GPU-hours. MIN_POINTS: one more than the 3 parameters.
-# NOISE_MARGIN: the run-to-run spread of A that the paper treats as noise.
+# The paper's grid (App. A): C_mid in GPU-hours, evenly spaced (the paper does not say). Bounds (ours): A in [R0, 1],
+# B in B_BOUNDS. MIN_POINTS: one more than the three fitted parameters.
 PAPER_A_GRID = np.round(np.arange(0.450, 0.8001, 0.005), 3)
 PAPER_CMID_GRID = np.linspace(100.0, 40000.0, 100)
 B_BOUNDS = (0.05, 20.0)
@@ -38,6 +35,10 @@ NOISE_MARGIN = 0.02
 
 class TooFewPoints(ValueError):
     """Fewer than MIN_POINTS points in the fit window: a report on several runs notes the run and fits the rest."""
+
+def _check(ok, message, error=ValueError):
+    if not ok:
+        raise error(message)
 
 def sigmoid(C, A, B, C_mid, R0):
     """The paper's curve, as R0 + (A - R0) * expit(B * (log C - log C_mid)): no overflow, and R0 at C = 0."""
@@ -78,21 +79,19 @@ class PowerLawFit:
 
 def _window(C, R, c_min, c_max):
     C, R = np.asarray(C, dtype=float).ravel(), np.asarray(R, dtype=float).ravel()
-    if C.shape != R.shape or not (np.all(np.isfinite(C)) and np.all(np.isfinite(R))):
-        raise ValueError(f"compute and pass rate must be finite numbers of equal length ({C.size} vs {R.size})")
+    _check(C.shape == R.shape and np.all(np.isfinite(C)) and np.all(np.isfinite(R)),
+           f"compute and pass rate must be finite numbers of equal length ({C.size} vs {R.size})")
     keep = (C > 0) & (C >= (c_min if c_min is not None else 0)) & (C <= (c_max if c_max is not None else np.inf))
-    if keep.sum() < MIN_POINTS:
-        raise TooFewPoints(f"need at least {MIN_POINTS} points with compute > 0 in the fit window, got {keep.sum()}")
+    _check(keep.sum() >= MIN_POINTS, f"need at least {MIN_POINTS} points with compute > 0 in the fit window, got "
+           f"{keep.sum()}", TooFewPoints)
     return C[keep], R[keep]
 
 def _best_b(A, logcm, logc, R, R0, n_grid=25, n_golden=20):
     """Least-squares B in every (A, C_mid) cell at once: a coarse log-grid of B brackets the minimum, golden-section
     search narrows it. A, logcm: (K,); logc, R: (N,). Returns B, sse: (K,)."""
     gain, d = (A - R0)[:, None], logc - logcm[:, None]
-
     def sse(logb):
         return ((R0 + gain * expit(np.exp(logb)[:, None] * d) - R) ** 2).sum(-1)
-
     grid = np.linspace(np.log(B_BOUNDS[0]), np.log(B_BOUNDS[1]), n_grid)
     j = np.stack([sse(np.full(len(A), g)) for g in grid]).argmin(0)
     lo, hi = grid[np.maximum(j - 1, 0)], grid[np.minimum(j + 1, n_grid - 1)]
@@ -105,8 +104,7 @@ def _best_b(A, logcm, logc, R, R0, n_grid=25, n_golden=20):
         hi, lo = np.where(left, x2, hi), np.where(left, lo, x1)
         xn = np.where(left, hi - g * (hi - lo), lo + g * (hi - lo))
         fn = sse(xn)
-        x1, x2 = np.where(left, xn, x2), np.where(left, x1, xn)
-        f1, f2 = np.where(left, fn, f2), np.where(left, f1, fn)
+        x1, x2, f1, f2 = np.where(left, [xn, x1, fn, f1], [x2, xn, f2, fn])
     return np.exp(np.where(f1 < f2, x1, x2)), np.minimum(f1, f2)
 
 def _grid_search(a_vals, logcm_vals, logc, R, R0):
@@ -117,25 +115,19 @@ def _grid_search(a_vals, logcm_vals, logc, R, R0):
     return A[i], B[i], L[i], sse[i]
 
 def fit_sigmoid(C, R, R0, c_min=None, c_max=None, method="grid", paper_grid=False, n_boot=100, seed=0, fix_A=None):
-    """Fit A, B, C_mid with R0 fixed, on the points with C > 0 in [c_min, c_max] (choices 1, 2). n_boot residual
-    bootstrap refits give the spread of A (0 skips them; ~0.2 s per 100 for 50 points). fix_A holds A at that value
-    and fits B, C_mid only (choice 4); the grid result is then final."""
-    if method not in ("grid", "curve_fit"):
-        raise ValueError(f"unknown method {method!r}: expected 'grid' or 'curve_fit'")
-    if not 0 <= R0 < 1:
-        raise ValueError(f"R0 must be a pass rate in [0, 1), got {R0}")
-    if fix_A is not None and not R0 < fix_A <= 1:
-        raise ValueError(f"fix_A must lie in (R0, 1] = ({R0}, 1], got {fix_A}")
+    """Fit A, B, C_mid with R0 fixed on the points with C > 0 in [c_min, c_max] (choices 1, 2); method="curve_fit"
+    polishes the grid optimum. n_boot bootstrap refits give the spread of A (~0.2 s per 100 for 50 points). fix_A
+    holds A at that value and fits B, C_mid only (choice 4); the grid result is then final."""
+    _check(method in ("grid", "curve_fit"), f"unknown method {method!r}: expected 'grid' or 'curve_fit'")
+    _check(0 <= R0 < 1, f"R0 must be a pass rate in [0, 1), got {R0}")
+    _check(fix_A is None or R0 < fix_A <= 1, f"fix_A must lie in (R0, 1] = ({R0}, 1], got {fix_A}")
     C, R = _window(C, R, c_min, c_max)
-    if np.any(np.diff(C) < 0):
-        raise ValueError("compute must not decrease from one point to the next")
-    if R.max() - R0 < 0.01:
-        raise ValueError(f"pass rate never rises above R0={R0:.3f} by 0.01 (max {R.max():.3f}); nothing to fit")
+    _check(np.all(np.diff(C) >= 0), "compute must not decrease from one point to the next")
+    _check(R.max() - R0 >= 0.01, f"pass rate never rises above R0={R0:.3f} by 0.01 (max {R.max():.3f}); nothing to fit")
     logc, (a_lo, a_hi) = np.log(C), (fix_A, fix_A) if fix_A is not None else (R0, 1.0)
     if paper_grid:
         a_vals = PAPER_A_GRID[PAPER_A_GRID >= R0] if fix_A is None else np.array([fix_A])
-        if a_vals.size == 0:
-            raise ValueError(f"R0={R0} is above the paper's A grid (0.45..0.80); use the adaptive grid")
+        _check(a_vals.size > 0, f"R0={R0} is above the paper's A grid (0.45..0.80); use the adaptive grid")
         l_vals = np.log(PAPER_CMID_GRID)
     else:
         a_vals = np.unique(np.linspace(a_lo, a_hi, 41))
@@ -153,17 +145,14 @@ def fit_sigmoid(C, R, R0, c_min=None, c_max=None, method="grid", paper_grid=Fals
         if dl < 1e-4:
             break
     lo, hi = [R0, B_BOUNDS[0], min(l_vals.min(), L)], [1.0, B_BOUNDS[1], max(l_vals.max(), L)]
-
     def curve_jac(p):
         s = expit(p[1] * (logc - p[2]))
         ds = (p[0] - R0) * s * (1 - s)
         return R0 + (p[0] - R0) * s, np.stack([s, ds * (logc - p[2]), -ds * p[1]], axis=1)
-
+    # Least squares in p = (A, B, log C_mid) from the best fit so far: the curve_fit polish, every bootstrap refit.
     def refit(y):
-        # Least squares in (A, B, log C_mid) from the grid optimum: the curve_fit polish and every bootstrap refit.
         p0 = np.clip([A, B, L], np.add(lo, 1e-9), np.subtract(hi, 1e-9))
         return least_squares(lambda p: curve_jac(p)[0] - y, p0, bounds=(lo, hi), jac=lambda p: curve_jac(p)[1]).x
-
     if method == "curve_fit" and fix_A is None:
         p = refit(R)
         p_sse = float(((curve_jac(p)[0] - R) ** 2).sum())
@@ -182,10 +171,9 @@ def fit_sigmoid(C, R, R0, c_min=None, c_max=None, method="grid", paper_grid=Fals
     return fit
 
 def fit_power_law(C, R, c_min=None, c_max=None):
-    """R = A - D / C**B with A <= 1 (choice 5). Linear in (A, D) for a fixed B: solved in closed form on a log-grid
-    of B, then B refined between the best value's grid neighbours."""
+    """R = A - D / C**B with A <= 1 (choice 5): for a fixed B, (A, D) by linear least squares; B on a log-grid, then
+    refined between the best value's grid neighbours."""
     C, R = _window(C, R, c_min, c_max)
-
     def solve(b):
         x = C ** -b
         (A, D), *_ = np.linalg.lstsq(np.stack([np.ones_like(x), -x], axis=1), R, rcond=None)
@@ -193,7 +181,6 @@ def fit_power_law(C, R, c_min=None, c_max=None):
         if A > 1.0:
             A, D = 1.0, float(x @ (1.0 - R) / (x @ x))
         return A, D, float(((A - D * x - R) ** 2).sum())
-
     grid = np.linspace(np.log(1e-3), np.log(10.0), 80)
     j = int(np.argmin([solve(np.exp(g))[2] for g in grid]))
     lo, hi = grid[max(j - 1, 0)], grid[min(j + 1, len(grid) - 1)]
@@ -213,14 +200,13 @@ class ExtrapolationCheck:
     n_test: int
 
 def extrapolation_check(C, R, R0, fit_fraction=0.5, fit_until=None, **fit_kw):
-    """Fit on C <= fit_until (default fit_fraction * max C, the paper's half budget), measure the prediction error
-    on the later points (choice 3). fit_kw go to fit_sigmoid."""
+    """Fit on C <= fit_until (default: fit_fraction of the budget, the paper's half), measure the error of the
+    prediction on the later points (choice 3). fit_kw go to fit_sigmoid."""
     C, R = np.asarray(C, dtype=float), np.asarray(R, dtype=float)
     cut = fit_until if fit_until is not None else fit_fraction * C.max()
     fit = fit_sigmoid(C, R, R0, c_max=cut, **fit_kw)
     test = C > cut
-    if not test.any():
-        raise ValueError(f"no points after the fit window (C <= {cut:.4g}) to check the extrapolation on")
+    _check(test.any(), f"no points after the fit window (C <= {cut:.4g}) to check the extrapolation on")
     err = fit.predict(C[test]) - R[test]
     return ExtrapolationCheck(fit, float(np.abs(err).max()), float(np.abs(err).mean()), float(err[-1]),
                               fit.n_points, int(test.sum()))
@@ -234,8 +220,8 @@ def slope_transform(C, R, A, R0):
         return np.where(C > 0, np.log(C), np.nan), np.where(ok, np.log((R - R0) / (A - R)), np.nan)
 
 def plot_runs(runs, path, power_law=False, fit_until=None, xlabel="compute (device-hours)"):
-    """Pass rate vs log compute for several runs, written to path; returns the figure. runs: dicts with label, C, R,
-    R0 and optionally fit (SigmoidFit) and power (PowerLawFit); missing fits are made on C <= fit_until. Filled
+    """Pass rate against log compute for several runs, saved to path; returns the figure. runs: dicts with label, C,
+    R, R0 and optionally fit (SigmoidFit) and power (PowerLawFit); missing fits are made on C <= fit_until. Filled
     points: the fit window; solid: the fit; dashed: the extrapolation; band: A +- 0.02, the noise margin."""
     # No pyplot: draws headless and leaves the caller's backend alone.
     from matplotlib.figure import Figure
@@ -277,20 +263,18 @@ def plot_runs(runs, path, power_law=False, fit_until=None, xlabel="compute (devi
 def _log_lines(path):
     """(path, its non-blank lines as (line number, text)); a run directory means its metrics.jsonl."""
     path = os.path.join(path, "metrics.jsonl") if os.path.isdir(path) else path
-    if not os.path.isfile(path):
-        raise ValueError(f"{path}: no such file (expected a metrics.jsonl, a run directory or a CSV)")
+    _check(os.path.isfile(path), f"{path}: no such file (expected a metrics.jsonl, a run directory or a CSV)")
     with open(path) as f:
         return path, [(i + 1, s) for i, s in enumerate(f) if s.strip()]
 
 def _jsonl_rows(path, lines, strict=True):
-    """(line number, row) of a metrics.jsonl. strict: a bad line is an error, but for a torn last line (a run killed
-    mid-write), skipped with a warning; not strict: bad lines are skipped."""
+    """(line number, row) of a metrics.jsonl. strict: a bad line is an error, but a torn last line (a run killed
+    mid-write) is skipped with a warning; not strict: bad lines are skipped silently."""
     for n, line in lines:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            if strict and n != lines[-1][0]:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})")
+            _check(not strict or n == lines[-1][0], f"{path}:{n}: not valid JSON ({e.msg})")
             if strict:
                 print(f"warning: {path}:{n}: ignoring a torn last line ({e.msg})", file=sys.stderr)
             continue
@@ -303,40 +287,36 @@ def _is_number(cell):
         return False
 
 def _csv_rows(path, lines, compute_key, metric_key):
-    """(line number, compute, metric) of a CSV by its header's column names; headerless (a first row of numbers):
+    """(line number, compute, metric) of a CSV, columns by the header's names; headerless (a first row of numbers):
     compute,pass_rate. Without the default compute column, the one other column that could be compute (an index
     such as `step` cannot) is taken, with a note."""
     table = [(n, [c.strip() for c in next(csv.reader([line]))]) for n, line in lines]
     header = bool(table) and not any(map(_is_number, table[0][1]))
-    if header:
-        names, table = table[0][1], table[1:]
-    elif table and len(table[0][1]) != 2:
+    if table and not header and len(table[0][1]) != 2:
         raise ValueError(f"{path}: {len(table[0][1])} columns and no header; add a header row naming the columns "
                          "(then --compute and --metric pick them)")
-    else:
-        names = [compute_key, metric_key]
-    index_names = ("", "step", "epoch", "index", "iter", "iteration")
-    others = [c for c in names if c != metric_key and c.lower() not in index_names]
+    names, table = (table[0][1], table[1:]) if header else ([compute_key, metric_key], table)
+    missing = f"{path} has no column {{!r}} (columns: {', '.join(names)}); pass {{}}"
+    _check(metric_key in names, missing.format(metric_key, "--metric=NAME"))
+    others = [c for c in names if c != metric_key and c.lower() not in ("", "step", "epoch", "index", "iter",
+                                                                          "iteration")]
     if compute_key not in names and compute_key == "device_hours" and len(others) == 1:
         compute_key = others[0]
         # The documented `compute,pass_rate` is taken silently.
         if compute_key != "compute":
             print(f"note: {path}: no column 'device_hours'; using {compute_key!r} as compute", file=sys.stderr)
-    option = f"--compute={others[0]}" if len(others) == 1 else f"--compute with one of {', '.join(others)}"
-    for key, option in ((metric_key, "--metric=NAME"), (compute_key, option if others else "--compute=NAME")):
-        if key not in names:
-            raise ValueError(f"{path} has no column {key!r} (columns: {', '.join(names)}); pass {option}")
+    hint = f"--compute with one of {', '.join(others)}" if len(others) > 1 else f"--compute={(others or ['NAME'])[0]}"
+    _check(compute_key in names, missing.format(compute_key, hint))
     cols = names.index(compute_key), names.index(metric_key)
     want = f"numbers in columns {compute_key!r} and {metric_key!r}" if header else "two numbers 'compute,pass_rate'"
     for n, cells in table:
-        if len(cells) != len(names) or not all(_is_number(cells[c]) for c in cols):
-            raise ValueError(f"{path}:{n}: expected {want}, got {','.join(cells)!r}")
+        _check(len(cells) == len(names) and all(_is_number(cells[c]) for c in cols),
+               f"{path}:{n}: expected {want}, got {','.join(cells)!r}")
         yield n, float(cells[cols[0]]), float(cells[cols[1]])
 
 def read_points(path, compute_key="device_hours", metric_key="pass_rate"):
-    """(C, R, r0_guess) from a metrics.jsonl (eval rows: those holding metric_key) or a CSV (columns by name,
-    headerless: compute,pass_rate). Only points with C > 0 are returned; r0_guess is R at compute 0 (None if absent).
-    A torn last jsonl line (a run killed mid-write) is skipped with a warning."""
+    """(C, R, r0_guess) from a metrics.jsonl (eval rows: those holding metric_key) or a CSV. Only points with C > 0
+    are returned; r0_guess is R at compute 0 (None if absent)."""
     path, lines = _log_lines(path)
     if path.lower().endswith(".csv"):
         rows = list(_csv_rows(path, lines, compute_key, metric_key))
@@ -344,14 +324,13 @@ def read_points(path, compute_key="device_hours", metric_key="pass_rate"):
         rows = []
         for n, row in _jsonl_rows(path, lines):
             if isinstance(row, dict) and metric_key in row:
-                if not all(isinstance(row.get(k), (int, float)) for k in (compute_key, metric_key)):
-                    raise ValueError(f"{path}:{n}: eval row needs numbers {compute_key!r} and {metric_key!r}")
+                _check(all(isinstance(row.get(k), (int, float)) for k in (compute_key, metric_key)),
+                       f"{path}:{n}: eval row needs numbers {compute_key!r} and {metric_key!r}")
                 rows.append((n, float(row[compute_key]), float(row[metric_key])))
-    if not rows:
-        raise ValueError(f"{path}: no points found (expected rows with {compute_key!r} and {metric_key!r})")
+    _check(rows, f"{path}: no points found (expected rows with {compute_key!r} and {metric_key!r})")
     n, C, R = (np.array(v) for v in zip(*rows))
-    if not (np.all(np.isfinite(C)) and np.all(np.isfinite(R))) or C.min() < 0:
-        raise ValueError(f"{path}: compute must be finite and >= 0, pass rates finite")
+    _check(np.all(np.isfinite(C)) and np.all(np.isfinite(R)) and C.min() >= 0,
+           f"{path}: compute must be finite and >= 0, pass rates finite")
     if np.any(np.diff(C) < 0):
         k = int(np.argmax(np.diff(C) < 0)) + 1
         raise ValueError(f"{path}:{n[k]}: compute decreases ({C[k - 1]:.4g} then {C[k]:.4g}); it must not")
@@ -375,8 +354,7 @@ def analyze(paths, plot=None, fit_until=None, c_min=None, r0=None, power_law=Fal
         p, key = p if isinstance(p, tuple) else (p, metric_key)
         C, R, r0_guess = read_points(p, compute_key=compute_key, metric_key=key)
         R0 = r0 if r0 is not None else r0_guess
-        if R0 is None:
-            raise ValueError(f"{p}: no point at compute 0 to take R0 from; add one or pass --r0")
+        _check(R0 is not None, f"{p}: no point at compute 0 to take R0 from; add one or pass --r0")
         # The label: the run directory's name or the file name of a CSV, and the task of a per-task curve.
         q = os.path.normpath(p)
         label = os.path.basename(os.path.dirname(q) if q.endswith("metrics.jsonl") else q) or p
@@ -390,8 +368,7 @@ def analyze(paths, plot=None, fit_until=None, c_min=None, r0=None, power_law=Fal
         except ValueError as e:
             raise ValueError(f"{p}: {e}") from None
         runs.append(dict(label=label, C=C, R=R, R0=R0, fit=fit, power=power))
-        w = f"[{fit.window[0]:.3g}, {fit.window[1]:.3g}]"
-        table.append(f"{label[-28:]:<28} {fit.n_points:>4} {w:>19} {R0:>6.3f} {fit.A:>6.3f} "
+        table.append(f"{label[-28:]:<28} {fit.n_points:>4} {'[%.3g, %.3g]' % fit.window:>19} {R0:>6.3f} {fit.A:>6.3f} "
                      f"{fit.A_ci[0]:>6.3f}-{fit.A_ci[1]:.3f} {fit.B:>5.2f} {fit.C_mid:>9.3g} {fit.rmse:>7.4f}")
         notes.append(f"\n{label}: A = {fit.A:.3f} +- {fit.A_std:.3f} (bootstrap std over the fit window); "
                      f"the paper treats A differences below {NOISE_MARGIN} as noise.")
@@ -409,8 +386,7 @@ def analyze(paths, plot=None, fit_until=None, c_min=None, r0=None, power_law=Fal
             notes.append(f"  power law R = A - D/C^B: A={power.A:.3f} D={power.D:.3g} B={power.B:.3f} "
                          f"rmse={power.rmse:.4f} (A {power.A - fit.A:+.3f} vs the sigmoid)")
     # Nothing to report: the errors, word for word as for a single run.
-    if not runs:
-        raise ValueError("; ".join(dict.fromkeys(f"{p}: {e}" for p, _, e in skipped)))
+    _check(runs, "; ".join(dict.fromkeys(f"{p}: {e}" for p, _, e in skipped)))
     out = table + [f"{label}: skipped: {e}" for _, label, e in skipped] + notes
     if plot:
         plot_runs(runs, plot, power_law=power_law, fit_until=fit_until, xlabel=f"compute ({compute_key})")
@@ -419,8 +395,7 @@ def analyze(paths, plot=None, fit_until=None, c_min=None, r0=None, power_law=Fal
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Fit the ScaleRL compute-performance sigmoid to run logs.")
-    ap.add_argument("paths", nargs="+", help="metrics.jsonl, run directory, or CSV (columns by name; headerless: "
-                    "compute,pass_rate)")
+    ap.add_argument("paths", nargs="+", help="metrics.jsonl, run directory or CSV (headerless: compute,pass_rate)")
     ap.add_argument("--fit-until", type=float, help="fit on compute <= X, check the prediction after it")
     ap.add_argument("--c-min", type=float, help="exclude points with compute < X (paper: 1.5k GPU-hours)")
     ap.add_argument("--r0", type=float, help="pass rate before RL (default: the log's row at compute 0)")
@@ -432,10 +407,11 @@ def main(argv=None):
     ap.add_argument("--per-task", action="store_true", help="fit each pass_rate_<task> column of a multi-task run")
     args = ap.parse_args(argv)
     try:
-        paths = [(p, key) for p in args.paths for key in per_task_metrics(p)] if args.per_task else args.paths
-        single = [p for p in args.paths if args.per_task and p not in dict(paths)]
-        if single:
-            raise ValueError(f"{single[0]}: no pass_rate_<task> columns (a single-task run); drop --per-task")
+        paths = args.paths
+        if args.per_task:
+            paths = [(p, key) for p in args.paths for key in per_task_metrics(p)]
+            for p in args.paths:
+                _check(p in dict(paths), f"{p}: no pass_rate_<task> columns (a single-task run); drop --per-task")
         print(analyze(paths, plot=args.plot, fit_until=args.fit_until, c_min=args.c_min, r0=args.r0,
                       power_law=args.power_law, metric_key=args.metric, compute_key=args.compute))
     except (ValueError, OSError) as e:

@@ -1,20 +1,14 @@
-"""trainer.py: the training side of ScaleRL, one optimizer step at a time.
+"""trainer.py: the training side of ScaleRL, one optimizer step at a time. The paper's choices made here:
+  1. Rollout tensors: forced interruption tokens stay in the context but out of the loss (App. A.10); the generator's
+     logprobs are aligned with the target positions for the importance ratio (Sec. 3.1).
+  2. `Policy`: the trainer's forward as one module call, the body in its dtype and the LM head in FP32 (Sec. 3.2,
+     Fig. 5b), logprobs after the sampling temperature.
+  3. `policy_gradient`: the RL loss (losses.py; CISPO by default, Sec. 3.2) over token-budget micro-batches;
+     advantages and aggregation weights come from the whole batch, so gradients accumulate exactly.
+  4. `train_step`: AdamW with linear warm-up and gradient clipping, no KL term (App. A.3); a non-finite step is skipped.
+  5. `warm_start`: the tiny model's cached supervised warm start (the paper starts RL from an SFT model).
 
-  1. Batch tensors: completions right-padded, the loss mask (forced interruption tokens stay in the context but out
-     of the loss, App. A.10) and the behaviour logprobs aligned with the target positions.
-  2. `Policy`: the trainer's forward as one module call, token logprobs with the body in its dtype and the LM head
-     in FP32 (Sec. 3.2), after the sampling temperature.
-  3. `policy_gradient`: the RL loss (losses.py; CISPO by default, Sec. 3.2) backpropagated over token-budget
-     micro-batches; advantages and aggregation weights come from the whole batch, so gradients accumulate exactly.
-  4. `train_step`: one AdamW step with warm-up and gradient clipping; a non-finite step is skipped (App. A.3).
-  5. `warm_start`: the tiny model's supervised warm start on its task's traces (the paper starts RL from an SFT
-     model), cached.
-  6. Under torchrun: FSDP2 over the trainer ranks (`shard`), full weights and optimizer state gathered for weight
-     updates and checkpoints, metrics reduced over the ranks.
-  7. The run's record, kept by trainer rank 0: ckpt.pt and what --resume restores from it, config.json (with a
-     history of starts and resumes), metrics.jsonl and its rows, optional --tracker, the policy exported as hf/.
-
-The generating side is pipeline_rl.py; scalerl.py wires the two together.
+The generating side is pipeline_rl.py, scalerl.py wires the two; FSDP2 and the run's record live in infra/.
 """
 import contextlib
 import hashlib
@@ -54,15 +48,9 @@ def rollout_tensors(samples, pad_id):
     return ids, att, tmask, gen_logp
 
 
-def loss_options(cfg):
-    return {"eps_max": cfg.eps_max} if cfg.loss == "cispo" else {
-        k: v for k, v in (("eps_low", cfg.eps_low), ("eps_high", cfg.eps_high)) if v >= 0}
-
-
 class Head(torch.nn.Module):
-    """The LM head as a module of its own: token logprobs (N, T) of `targets` after the temperature, in `dtype` (the
-    FP32 head, Sec. 3.2). Under FSDP2 an untied head is a unit of its own, kept in that dtype while the body computes
-    in the body dtype; the body's matmuls never see it."""
+    """The LM head as a module: logprobs (N, T) of `targets` after temperature, in `dtype` (the FP32 head, Sec. 3.2).
+    Under FSDP2 an untied head is a unit of its own, kept in that dtype while the body computes in the body dtype."""
     def __init__(self, linear, temperature, dtype):
         super().__init__()
         self.linear, self.temperature, self.dtype = linear, temperature, dtype
@@ -73,10 +61,9 @@ class Head(torch.nn.Module):
 
 
 class Policy(torch.nn.Module):
-    """The trainer's forward as one module call, token logprobs (N, L-1) of ids (N, L). With a body dtype below fp32
-    the parameters are fp32 masters and FSDP2's mixed precision (`shard`, one process included) runs the body on a
-    bf16 copy, so trainer and generator compute it alike, and the head in its own dtype (Sec. 3.2, Fig. 5b). One call
-    is what FSDP2 needs: its hooks gather every weight the call uses."""
+    """The trainer's forward as one module call (FSDP2's hooks gather every weight it uses): logprobs (N, L-1) of ids
+    (N, L). With a body dtype below fp32 the parameters are fp32 masters and FSDP2's mixed precision (infra.dist.shard,
+    one process included) runs the body on a bf16 copy, as the generator does, and the head in its own dtype."""
     def __init__(self, lm, temperature, head_dtype=torch.float32, pad_id=0, body_dtype=torch.float32):
         super().__init__()
         self.lm, self.head, self.pad_id = lm, Head(lm.lm_head, temperature, head_dtype), pad_id
@@ -85,7 +72,6 @@ class Policy(torch.nn.Module):
         self.tied = lm.lm_head.weight is lm.get_input_embeddings().weight
 
     def forward(self, ids, att):
-        # (N, L, H)
         hidden = self.lm.model(input_ids=ids, attention_mask=att, use_cache=False).last_hidden_state
         return self.head(hidden[:, :-1], ids[:, 1:])
 
@@ -114,14 +100,15 @@ def micro_batches(order, lengths, budget):
 
 
 def policy_gradient(policy, samples, adv, cfg, rank=0, world=1):
-    """Backward of the RL loss (Sec. 3.2) on `samples` with advantages `adv` (N,), accumulated into .grad over
-    token-budget micro-batches. With `world` trainer ranks, this rank takes every world-th completion by length;
-    advantages and aggregation weights come from the whole batch, so the ranks' gradients sum to the one-process
-    gradient (float round-off apart). Returns this rank's loss, token-weighted diagnostic sums and largest ratio."""
+    """Backward of the RL loss (Sec. 3.2) on `samples` with advantages `adv` (N,) into .grad, over token-budget
+    micro-batches. This rank takes every world-th completion by length; with weights from the whole batch the ranks'
+    gradients sum to the one-process one. Returns this rank's loss, token-weighted diagnostic sums, largest ratio."""
+    # the loss's options; a negative eps_low / eps_high keeps the loss's default
+    opts = {"eps_max": cfg.eps_max} if cfg.loss == "cispo" else {
+        k: v for k, v in (("eps_low", cfg.eps_low), ("eps_high", cfg.eps_high)) if v >= 0}
     dev = next(policy.parameters()).device
     ids, att, tmask, gen_logp = (t.to(dev) for t in rollout_tensors(samples, policy.pad_id))
     adv, gid = adv.to(dev), torch.tensor([s.group for s in samples], device=dev)
-    # aggregation weights on the whole batch, sliced per micro-batch
     weights = losses.aggregation_weights(tmask, gid, how=cfg.agg)
     lengths = att.sum(1).tolist()
     # similar lengths together: little padding
@@ -137,7 +124,7 @@ def policy_gradient(policy, samples, adv, cfg, rank=0, world=1):
         mb = plans[rank][i]
         L = lengths[mb[-1]]
         loss, diag = losses.policy_loss(policy(ids[mb, :L], att[mb, :L]), gen_logp[mb, :L - 1], adv[mb],
-                                        tmask[mb, :L - 1], weights[mb, :L - 1], loss=cfg.loss, **loss_options(cfg))
+                                        tmask[mb, :L - 1], weights[mb, :L - 1], loss=cfg.loss, **opts)
         loss.backward()
         total += loss.item()
         for k in ("clip_frac", "ratio_mean", "mismatch_kl"):
@@ -148,19 +135,16 @@ def policy_gradient(policy, samples, adv, cfg, rank=0, world=1):
 
 
 def train_step(policy, opt, groups, cfg, step, comm=None):
-    """One optimizer step on the kept groups: AdamW with linear warm-up, gradient clipping, no KL (App. A.3).
-    A non-finite loss or gradient skips the update (one bad batch must not poison the weights and Adam's moments).
-    `comm` (infra.dist, several trainer ranks): this rank's share of the completions, the metrics reduced over the
-    ranks. Returns the step's loss and token-averaged diagnostics, the same on every trainer rank."""
+    """One optimizer step on the kept groups (App. A.3). A non-finite loss or gradient skips the update (one bad batch
+    must not poison the weights and Adam's moments). `comm` (infra.dist, several trainer ranks): this rank's share of
+    the completions, the metrics reduced. Returns the loss and token-averaged diagnostics, the same on every rank."""
     lr = cfg.lr * min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
     for group in opt.param_groups:
         group["lr"] = lr
     samples = [s for g in groups for s in g]
-    rewards = torch.tensor([s.reward for s in samples])
-    adv = losses.group_advantages(rewards, torch.tensor([s.group for s in samples], dtype=torch.long),
-                                  norm=cfg.adv_norm)
-    # every group zero-variance (filtered out, or kept with the filter off): no signal, no update (AdamW's weight
-    # decay alone would still move the weights)
+    adv = losses.group_advantages(torch.tensor([s.reward for s in samples]),
+                                  torch.tensor([s.group for s in samples], dtype=torch.long), norm=cfg.adv_norm)
+    # every group zero-variance: no signal, no update (AdamW's weight decay alone would still move the weights)
     if not adv.any():
         return dict(loss=0.0, clip_frac=0.0, ratio_mean=1.0, ratio_max=1.0, mismatch_kl=0.0, n_tokens=0, finite=True,
                     lr=lr)
@@ -210,19 +194,18 @@ def warm_start(cfg, model, tok, out_root):
     key = {k: getattr(cfg, k) for k in ("seed", "n_layer", "n_embd", "n_head", "task", "levels", "sft_steps",
                                         "sft_batch", "sft_lr", "sft_error_rate")}
     key["vocab"], key["version"] = tok.get_vocab(), WARM_START_VERSION
-    path = os.path.join(out_root, "warmstart", hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-                        + ".pt")
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    path = os.path.join(out_root, "warmstart", digest + ".pt")
     if os.path.exists(path):
         model.load_state_dict(torch.load(path, weights_only=True))
         print(f"warm start: loaded {path}")
         return
     levels, sources = tuple(int(x) for x in cfg.levels.split(",")), cfg.task.split("+")
     # 4,000 traces per task from the training side of the split (held-out questions never appear), ids apart from RL's
-    traces = data.arith_problems(4000, seed=cfg.seed, levels=levels, error_rate=cfg.sft_error_rate, split="train",
-                                 start_id=10 ** 6) if "arith" in sources else []
+    kw = dict(seed=cfg.seed, error_rate=cfg.sft_error_rate, split="train", start_id=10 ** 6)
+    traces = data.arith_problems(4000, levels=levels, **kw) if "arith" in sources else []
     if "code" in sources:
-        traces += data.code_problems(4000, seed=cfg.seed, error_rate=cfg.sft_error_rate, split="train",
-                                     start_id=10 ** 6)
+        traces += data.code_problems(4000, **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
     rng = random.Random(cfg.seed)
     t0 = time.time()
@@ -238,8 +221,7 @@ def warm_start(cfg, model, tok, out_root):
         order, loss = sorted(range(len(seqs)), key=lambda i: len(seqs[i])), 0.0
         for k in range(0, len(order), 16):  # 16 similar lengths at a time: a quarter less padding than one batch
             part = order[k:k + 16]
-            ids, att, tmask = sequence_batch([seqs[i] for i in part], [len(prompts[i]) for i in part],
-                                             tok.pad_token_id)
+            ids, att, tmask = sequence_batch([seqs[i] for i in part], [len(prompts[i]) for i in part], tok.pad_token_id)
             logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
             nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
             part_loss = (nll * tmask).sum() / n_targets  # the batch's mean over target tokens, accumulated

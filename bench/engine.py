@@ -1,4 +1,4 @@
-"""Throughput of pipeline_rl.TorchEngine against `model.generate` of the same model, prompts and sampling.
+"""Throughput of engine.TorchEngine against `model.generate` of the same model, prompts and sampling.
 
 The model is the tiny default (scalerl.Config(): a 4-layer, 128-wide Llama with the character tokenizer), randomly
 initialised, or loaded from a warm-start or run checkpoint with `--ckpt`. The prompts are the built-in arithmetic
@@ -38,8 +38,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
-import pipeline_rl  # noqa: E402
+import engine  # noqa: E402
 import scalerl  # noqa: E402
+import trainer  # noqa: E402
+from infra.run import make_engine  # noqa: E402
 
 
 def positive_ints(text):
@@ -54,7 +56,7 @@ def positive_ints(text):
 
 def load_model(cfg, tok, ckpt):
     """The tiny default model: random init, or the weights in `ckpt` (a state dict, or a run checkpoint's "model")."""
-    model = scalerl.build_model(cfg, len(tok))
+    model = trainer.tiny_model(cfg, len(tok))
     if ckpt:
         if not os.path.isfile(ckpt):
             raise SystemExit(f"error: --ckpt {ckpt}: no such file; expected a warm-start .pt or a run's ckpt.pt")
@@ -77,14 +79,14 @@ def load_model(cfg, tok, ckpt):
 
 def run_engine(model, tok, cfg, prompts, n, slots, interrupt, seed):
     """One TorchEngine.generate call (the engine a run with these settings builds); returns its figures."""
-    eng = scalerl.make_engine(replace(cfg, engine="torch", slots=slots, interrupt=interrupt), model, tok, seed)
+    eng = make_engine(replace(cfg, engine="torch", slots=slots, interrupt=interrupt), model, tok, seed)
     prefills, forward = [0], eng._forward
 
     def counting_forward(rows, tokens, pos):  # a decode step's rows are a range of slots; the other calls' a list
         prefills[0] += not isinstance(rows, range)
         return forward(rows, tokens, pos)
     eng._forward = counting_forward
-    templates = [pipeline_rl.Sample(i, i, p) for i, p in enumerate(prompts)]
+    templates = [engine.Sample(i, i, p) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
     groups = eng.generate(templates, n)
     dt = time.perf_counter() - t0

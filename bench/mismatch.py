@@ -4,7 +4,7 @@ head on both sides (Sec. 3.2), and what that does to GSPO's clipping on-policy (
 Trainer numerics compared:
   autocast     fp32 master weights with the body under torch.autocast (bf16 matmuls, fp32 residual stream and
                norms): what the generator, which holds bf16 weights, does not compute
-  mixed        FSDP2 mixed precision (trainer.shard; one process: a group of one): the body on a bf16 copy of the
+  mixed        FSDP2 mixed precision (infra.dist.shard; one process: a group of one): the body on a bf16 copy of the
                weights, as the generator holds them, the head in fp32 (what scalerl.py runs)
   fp32         everything fp32 on both sides: float round-off only (the floor)
 
@@ -25,14 +25,14 @@ import losses  # noqa: E402
 import pipeline_rl  # noqa: E402
 import scalerl  # noqa: E402
 import trainer  # noqa: E402
-from infra import sources  # noqa: E402
+from infra import dist, run, sources  # noqa: E402
 
 
 def sample(cfg, model, tok, val, n):
     """Completions of the held-out prompts by the engine in cfg.dtype, scored (GSPO needs advantages)."""
-    engine = scalerl.make_engine(cfg, model, tok, seed=1)
+    engine = run.make_engine(cfg, model, tok, seed=1)
     scorer = pipeline_rl.Rollouts(engine, None, tok, cfg.max_prompt)
-    groups = engine.generate(scalerl.held_out_templates(scorer, val), n)
+    groups = engine.generate(run.held_out(scorer, val), n)
     scorer.score(groups)
     return groups
 
@@ -41,7 +41,7 @@ def sample(cfg, model, tok, val, n):
 def trainer_logprobs(model, ids, att, how):
     if how == "mixed":
         policy = trainer.Policy(copy.deepcopy(model), 1.0, torch.float32)
-        trainer.shard(policy, policy.lm.model.layers, pipeline_rl.local_group(), torch.bfloat16)
+        dist.shard(policy, policy.lm.model.layers, dist.local_group(), torch.bfloat16)
         return policy(ids, att)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=how == "autocast"):
         hidden = model.model(input_ids=ids, attention_mask=att).last_hidden_state

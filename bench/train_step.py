@@ -19,11 +19,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
-import pipeline_rl  # noqa: E402
+import engine  # noqa: E402
 import scalerl  # noqa: E402
 import trainer  # noqa: E402
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine import load_model, positive_ints  # noqa: E402
+from bench.engine import load_model, positive_ints  # noqa: E402
+from infra import dist, run  # noqa: E402
 
 
 def main(argv=None):
@@ -38,12 +38,12 @@ def main(argv=None):
     tok = data.char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=")
     model = load_model(cfg, tok, args.ckpt).train()
     torch.set_num_threads(1)
-    eng = scalerl.make_engine(replace(cfg, engine="torch"), model, tok, seed=0)
+    eng = run.make_engine(replace(cfg, engine="torch"), model, tok, seed=0)
     problems = data.arith_problems(cfg.batch_prompts * (args.steps + 1), seed=0)
     batches = []
     for b in range(args.steps + 1):
         chunk = problems[b * cfg.batch_prompts:(b + 1) * cfg.batch_prompts]
-        templates = [pipeline_rl.Sample(p.id, b * cfg.batch_prompts + i, data.encode(tok, data.format_prompt(
+        templates = [engine.Sample(p.id, b * cfg.batch_prompts + i, data.encode(tok, data.format_prompt(
             p.question, tok))) for i, p in enumerate(chunk)]
         groups = eng.generate(templates, cfg.group_size)
         for g in groups:
@@ -58,7 +58,7 @@ def main(argv=None):
     print(f"{'threads':>7} {'steps':>5} {'tokens':>7} {'s':>6} {'tok/s':>7}")
     for threads in args.threads:
         torch.set_num_threads(threads)
-        policy, opt, _ = scalerl.build_policy(cfg, pipeline_rl.Dist(), copy.deepcopy(model), tok)  # as a run builds
+        policy, opt = run.policy(cfg, dist.Dist(), copy.deepcopy(model), tok)  # as a run builds
         trainer.train_step(policy, opt, batches[0], cfg, 0)  # warm-up: first-call costs are not throughput
         t0, tokens = time.perf_counter(), 0
         for step, groups in enumerate(batches[1:], 1):

@@ -1,4 +1,4 @@
-"""Throughput of pipeline_rl.VLLMEngine against pipeline_rl.TorchEngine on the same model, prompts and sampling.
+"""Throughput of infra.vllm_engine.VLLMEngine against engine.TorchEngine on the same model, prompts and sampling.
 
 The setting of bench/engine.py: the tiny default model (random init, or `--ckpt`), the built-in arithmetic prompts
 rendered as in training, `--n` completions each, temperature 1, the thinking budget and answer budget of Config, the
@@ -23,11 +23,12 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import engine as bench  # noqa: E402  -- bench/engine.py: model loading and argument helpers
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
-import pipeline_rl  # noqa: E402
 import scalerl  # noqa: E402
+from bench import engine as bench  # noqa: E402  -- bench/engine.py: model loading and argument helpers
+from engine import Sample  # noqa: E402
+from infra.run import make_engine  # noqa: E402
 
 
 def run(eng, prompts, n, seed):
@@ -36,7 +37,7 @@ def run(eng, prompts, n, seed):
     eng.budget_rng.seed(seed)
     before = dict(eng.stats)
     t0 = time.perf_counter()
-    groups = eng.generate([pipeline_rl.Sample(i, i, p) for i, p in enumerate(prompts)], n)
+    groups = eng.generate([Sample(i, i, p) for i, p in enumerate(prompts)], n)
     dt = time.perf_counter() - t0
     samples = [s for g in groups for s in g]
     return dict(tokens=eng.stats["tokens"] - before["tokens"], forced=sum(sum(s.forced) for s in samples),
@@ -63,7 +64,7 @@ def main(argv=None):
           f"{cfg.think_max} + answer {cfg.answer_budget} | best of {args.repeats}")
 
     def make(engine, slots, interrupt):  # the engine a run with these settings builds
-        return scalerl.make_engine(replace(cfg, engine=engine, slots=slots, interrupt=interrupt), model, tok, args.seed)
+        return make_engine(replace(cfg, engine=engine, slots=slots, interrupt=interrupt), model, tok, args.seed)
 
     head = (f"{'engine':<6} {'slots':>5} {'intr':>4} {'tokens':>7} {'forced':>6} {'intr%':>5} {'steps':>6} "
             f"{'first s':>7} {'s':>6} {'tok/s':>7} {'x torch':>7}")

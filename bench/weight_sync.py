@@ -1,6 +1,6 @@
 """What one weight update costs under torchrun: trainer rank 0 gathers the policy in the body dtype and broadcasts it
-in buckets (pipeline_rl.TrainerLink.push_weights), a generator rank receives each bucket and loads it into its
-PyTorch engine as it lands (pipeline_rl.receive_weights), against a raw broadcast of the same bytes as one tensor
+in buckets (infra.dist.TrainerLink.push_weights), a generator rank receives each bucket and loads it into its
+PyTorch engine as it lands (infra.dist.receive_weights), against a raw broadcast of the same bytes as one tensor
 between the same two processes, in the same run. Also the generator's peak extra resident memory during an update
 (the goal: about one bucket, never the whole model).
 
@@ -23,9 +23,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
-import pipeline_rl  # noqa: E402
 import scalerl  # noqa: E402
 import trainer  # noqa: E402
+from infra import run  # noqa: E402
+from infra.dist import Staging, TrainerLink, counter, dist_init, receive_weights  # noqa: E402
 from runs.plan import KNOWN_SHAPES  # noqa: E402
 
 
@@ -35,7 +36,7 @@ def build(args):
     cfg = scalerl.Config(dtype=args.dtype, slots=4, sync_bucket_mb=args.bucket_mb)
     tok = data.char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=")
     if args.shape == "tiny":
-        return scalerl.build_model(cfg, len(tok)), tok, cfg
+        return trainer.tiny_model(cfg, len(tok)), tok, cfg
     from transformers import Qwen3Config, Qwen3ForCausalLM
     L, H, I, nq, nkv, hd, V, tied = KNOWN_SHAPES[args.shape]
     torch.manual_seed(0)
@@ -58,30 +59,30 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    job = pipeline_rl.dist_init(gen_ranks=1, timeout=600)
+    job = dist_init(gen_ranks=1, timeout=600)
     model, tok, cfg = build(args)
     bucket = cfg.sync_bucket_mb << 20
     if job.rank == 0:  # the trainer: fp32 masters, weights gathered in the body dtype, bucketed broadcasts
-        policy, link = trainer.Policy(model, 1.0), pipeline_rl.TrainerLink(job, k=1, batch_prompts=1,
-                                                                          bucket_bytes=bucket)
-        nbytes = sum(t.numel() * d.itemsize for _, t, d in trainer.weight_parts(policy, getattr(torch, cfg.dtype)))
+        policy = trainer.Policy(model, 1.0, torch.float32, 0, getattr(torch, cfg.dtype))
+        link = TrainerLink(job, k=1, batch_prompts=1, bucket_bytes=bucket)
+        nbytes = sum(t.numel() * d.itemsize for _, t, d in policy.weights())
         times = []
         for _ in range(args.repeats):
             t = time.perf_counter()
-            link.push_weights(trainer.weight_parts(policy, getattr(torch, cfg.dtype)))
+            link.push_weights(policy)
             link._land()  # until the generator took the last bucket
             times.append(time.perf_counter() - t)
     else:  # the generator: a PyTorch engine in the body dtype, loading each bucket as it lands
-        engine = scalerl.make_engine(cfg, model, tok, seed=0)
+        engine = run.make_engine(cfg, model, tok, seed=0)
         del model
         base, peak = rss_mb(), 0.0
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset the peak resident memory (VmHWM) to the current
-        staging = pipeline_rl.Staging()  # reused by every update, as in run_generator
+        staging = Staging()  # reused by every update, as in run_generator
         for v in range(1, args.repeats + 1):
-            while pipeline_rl.counter(job, "version") < v:
+            while counter(job, "version") < v:
                 time.sleep(1e-4)  # (a longer sleep would time the poll, not the update)
-            pipeline_rl.receive_weights(job, engine, v, bucket, staging=staging)
+            receive_weights(job, engine, v, bucket, staging=staging)
         peak = rss_mb("VmHWM") - base
     dist.barrier()
     raw = torch.empty(int(nbytes) if job.rank == 0 else 0, dtype=torch.uint8)  # the same bytes, one tensor

@@ -16,6 +16,7 @@ import inspect
 import io
 import json
 import os
+import re
 import textwrap
 import tokenize
 import typing
@@ -31,6 +32,18 @@ CHOICES = dict(dtype=("float32", "bfloat16"), engine=("torch", "vllm"), off_poli
                tracker=("none", "tensorboard", "wandb"),
                loss=tuple(losses.LOSSES), agg=("prompt", "sample", "token"), adv_norm=("batch", "prompt", "none"))
 
+# the numeric options' ranges: what a valid value is -> (its test, the options); NaN fails every test
+BOUNDS = {"positive": (lambda v: v > 0, ("max_steps", "eval_every", "eval_prompts", "eval_samples", "ckpt_every",
+                                         "n_layer", "n_embd", "n_head", "n_train", "sft_batch", "batch_prompts",
+                                         "group_size", "think_min", "answer_budget", "slots", "micro_batch_tokens",
+                                         "max_nonfinite", "max_prompt", "sync_bucket_mb")),
+          "> 0": (lambda v: v > 0, ("lr", "temperature", "eps_max", "grad_clip", "dist_timeout")),
+          ">= 0": (lambda v: v >= 0, ("sft_steps", "warmup_steps", "decode_per_step", "threads", "gen_ranks")),
+          ">= 0, or -1 for --seed's": (lambda v: v >= -1, ("rl_seed",)),
+          "in (0, 1]": (lambda v: 0 < v <= 1, ("gpu_memory_utilization", "npr_threshold")),
+          "in [0, 1]": (lambda v: 0 <= v <= 1, ("code_frac",)),
+          "in [0, 1)": (lambda v: 0 <= v < 1, ("sft_error_rate",))}
+
 
 def parse_args(argv, config_cls, presets):
     """A checked config_cls from --config NAME and --key=value words (see the module docstring)."""
@@ -41,11 +54,11 @@ def parse_args(argv, config_cls, presets):
     parser.add_argument("--config", choices=presets)
     kinds = typing.get_type_hints(config_cls)
     for f in fields(config_cls):
-        if kinds[f.name] is bool:
-            parser.add_argument(f"--{f.name}", type=boolean, nargs="?", const=True)
-        else:
-            parser.add_argument(f"--{f.name}", type=kinds[f.name])
-    given, extra = parser.parse_known_args([underscores(word) for word in argv])
+        kind = dict(type=boolean, nargs="?", const=True) if kinds[f.name] is bool else dict(type=kinds[f.name])
+        parser.add_argument(f"--{f.name}", **kind)
+    # --max-steps=7 is --max_steps=7
+    words = [re.sub(r"^--[^=]+", lambda m: "--" + m[0][2:].replace("-", "_"), word) for word in argv]
+    given, extra = parser.parse_known_args(words)
     if extra and not extra[0].startswith("--"):
         fail(f"unexpected argument {extra[0]!r}; options look like --key=value (see --help)")
     if extra:
@@ -62,12 +75,6 @@ def parse_args(argv, config_cls, presets):
         cfg = restore_options(cfg, saved, {**presets.get(preset, {}), **over})
     validate(cfg)
     return cfg
-
-
-def underscores(word):
-    """--max-steps=7 is --max_steps=7."""
-    key, eq, val = word.partition("=")
-    return "--" + key[2:].replace("-", "_") + eq + val if word.startswith("--") else word
 
 
 def boolean(text):
@@ -112,16 +119,14 @@ def help_text(config_cls, presets):
 
 
 def restore_options(cfg, path, given):
-    """The run's own options from its config.json; of those given on the command line, only the ones a run may
-    change midway are taken (RESUMABLE); another that differs from the run's value is refused in one line."""
+    """The run's options from its config.json, and the RESUMABLE ones of `given`; another that differs is refused."""
     defaults = asdict(type(cfg)())
     try:
         with open(path) as f:
-            saved = {k: v for k, v in json.load(f)["config"].items() if k in defaults}
+            # an option newer than the run: the run had its default
+            saved = {**defaults, **{k: v for k, v in json.load(f)["config"].items() if k in defaults}}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         fail(f"{path} is unreadable ({type(e).__name__}); restore it, or start a fresh --out_dir")
-    # an option newer than the run: the run had its default
-    saved = {**defaults, **saved}
     for key, val in given.items():
         if key not in RESUMABLE and saved[key] != val:
             fail(f"--{key}={val} does not fit this run (it was started with {saved[key]!r}, {path}); a resumed run "
@@ -135,24 +140,10 @@ def validate(cfg):
     for k, ok in CHOICES.items():
         if getattr(cfg, k) not in ok:
             fail(f"--{k}={getattr(cfg, k)!r} is not one of: {', '.join(ok)}")
-    for k in ("max_steps", "eval_every", "eval_prompts", "eval_samples", "ckpt_every", "n_layer", "n_embd", "n_head",
-              "n_train", "sft_batch", "batch_prompts", "group_size", "think_min", "answer_budget", "slots",
-              "micro_batch_tokens", "max_nonfinite", "max_prompt", "sync_bucket_mb",
-              "lr", "temperature", "eps_max", "grad_clip", "dist_timeout"):
-        if not getattr(cfg, k) > 0:
-            fail(f"--{k} must be > 0, got {getattr(cfg, k)}")
-    for k in ("sft_steps", "warmup_steps", "decode_per_step", "threads", "gen_ranks"):
-        if getattr(cfg, k) < 0:
-            fail(f"--{k} must be >= 0, got {getattr(cfg, k)}")
-    intervals = dict(gpu_memory_utilization=(0 < cfg.gpu_memory_utilization <= 1, "(0, 1]"),
-                     code_frac=(0 <= cfg.code_frac <= 1, "[0, 1]"),
-                     npr_threshold=(0 < cfg.npr_threshold <= 1, "(0, 1]"),
-                     sft_error_rate=(0 <= cfg.sft_error_rate < 1, "[0, 1)"))
-    for k, (ok, interval) in intervals.items():
-        if not ok:
-            fail(f"--{k} must be in {interval}, got {getattr(cfg, k)}")
-    if cfg.rl_seed < -1:
-        fail(f"--rl_seed must be >= 0, or -1 for --seed's, got {cfg.rl_seed}")
+    for bound, (ok, keys) in BOUNDS.items():
+        for k in keys:
+            if not ok(getattr(cfg, k)):
+                fail(f"--{k} must be {bound}, got {getattr(cfg, k)}")
     if len(set(cfg.task.split("+"))) < len(cfg.task.split("+")):
         fail(f"--task={cfg.task!r} names a source twice; join different sources with '+', e.g. arith+code")
     min_lag = 1 if cfg.off_policy == "ppo" else 0

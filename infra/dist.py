@@ -9,6 +9,8 @@ What it guarantees:
 - Weights reach the generator ranks after every optimizer step in buckets of at most --sync_bucket_mb (a decoder
   layer never split), each broadcast from one of two reused buffers while the next is packed; each engine loads a
   bucket as it lands, between its engine steps (Sec. 3.1). No file, no full-model buffer.
+- A generator rank that cannot write its --resume state ends the job with one line (no `fail`: it has threads); no
+  temporary is left, the last good file is kept.
 - FSDP2 (`shard`): fp32 master weights, gradients and AdamW; the body computed in the body dtype, an untied head its
   own unit in the head's dtype (Sec. 3.2). Gradients are summed: each rank's loss is its part of the batch's loss.
 """
@@ -78,8 +80,7 @@ def dist_init(gen_ranks=0, timeout=60.0, gen_share=0.5):
 
 
 def local_group():
-    """A process group of this process alone (FSDP2's mixed precision in one process needs one); vLLM's if it made
-    one."""
+    """A process group of this process alone (FSDP2's mixed precision needs one); vLLM's if it made one."""
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1)
@@ -92,9 +93,8 @@ def dist_cleanup(job):
 
 
 def leave():
-    """The end of a torchrun rank whose work is done (process groups destroyed): exit handlers run, then the process
-    exits at once. Left to the interpreter's teardown, gloo work objects freed after the groups can abort a finished
-    rank (SIGABRT, "terminate called without an active exception"), and torchrun then fails the whole job."""
+    """A finished torchrun rank exits at once, after the exit handlers: in the interpreter's teardown, gloo work objects
+    freed after the groups can abort it (SIGABRT), and torchrun would fail the whole job."""
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         sys.stdout.flush(), sys.stderr.flush()
         atexit._run_exitfuncs()
@@ -116,7 +116,8 @@ def counter(job, key, add=0):
         return job.store.add(key, add)
 
 
-def broadcast_from_rank0(job, module):  # start-up: every rank takes rank 0's weights (after its warm start), in place
+def broadcast_from_rank0(job, module):
+    """Start-up: every rank takes rank 0's weights (after its warm start), in place."""
     with waiting_for(job, "rank 0's initial weights"):
         for t in module.state_dict().values() if job.world > 1 else []:
             dist.broadcast(t, src=0)
@@ -126,7 +127,7 @@ def share(job, obj, everyone=False):
     """Trainer rank 0's `obj` (the kept groups) on every trainer rank (everyone: on every rank of the job)."""
     box = [obj]
     if (job.world if everyone else len(job.trainers)) > 1:
-        with waiting_for(job, "the next batch from trainer rank 0" if not everyone else "rank 0's resume point"):
+        with waiting_for(job, "rank 0's resume point" if everyone else "the next batch from trainer rank 0"):
             dist.broadcast_object_list(box, src=0, group=None if everyone else job.groups["trainer"])
     return box[0]
 
@@ -149,10 +150,8 @@ def recv_groups(job, src):
 
 
 def buckets(named, limit):
-    """Runs of consecutive (name, tensor, dtype) of one dtype, about `limit` bytes each (in that dtype): the weight
-    broadcast's buckets, formed alike by trainer rank 0 (from `trainer.Policy.weights`) and by every generator rank (from
-    its engine's parameters, the same names, shapes and dtypes). A decoder layer is never split (vLLM loads whole
-    layers), so a bucket may pass `limit` by part of one layer, and a larger tensor is a bucket of its own."""
+    """Runs of (name, tensor, dtype) of one dtype, about `limit` bytes each in that dtype, alike on trainer rank 0 and
+    on every generator rank. A bucket passes `limit` by at most the rest of a decoder layer (vLLM loads whole ones)."""
     def unit(name):  # model.layers.3.mlp.up_proj.weight -> model.layers.3
         parts = name.split(".")
         return ".".join(parts[:3]) if len(parts) > 3 and parts[1] == "layers" else name
@@ -174,7 +173,8 @@ class Staging:
     def __init__(self):
         self.bufs = {}
 
-    def __call__(self, i, run, device):  # buffer i's first bytes as one flat tensor of the bucket's numel and dtype
+    def __call__(self, i, run, device):
+        """Buffer i's first bytes as one flat tensor of the bucket's numel and dtype."""
         numel, dtype, device = sum(t.numel() for _, t, _ in run), run[0][2], torch.empty(0, device=device).device
         buf = self.bufs.get(i)
         if buf is None or buf.numel() < numel * dtype.itemsize or buf.device != device:
@@ -184,14 +184,14 @@ class Staging:
 
 
 class TrainerLink(BatchSource):
-    """The batch source of trainer ranks under torchrun. Trainer rank 0 receives scored groups on a thread per
-    generator (which never waits for a train step), hands the kept ones to every trainer rank, publishes weights."""
+    """The trainer ranks' batch source under torchrun. Trainer rank 0 receives scored groups on a thread per generator
+    (never waiting for a train step), shares the kept ones with every trainer rank, and publishes weights."""
     def __init__(self, job, *, k, batch_prompts, bucket_bytes):
         super().__init__(k, batch_prompts)
-        self.job, self.inbox, self.pending, self.bucket_bytes = job, queue.Queue(), None, bucket_bytes
-        self.staging = Staging()
-        self.kept, self.info = {}, {}  # group id -> kept by the zero-variance filter; generator rank -> its info()
-        self.asked = {}  # policy version -> what to log with its held-out pass rate, once the generators send it
+        self.job, self.bucket_bytes = job, bucket_bytes
+        self.inbox, self.pending, self.staging = queue.Queue(), None, Staging()
+        # group id -> kept by the zero-variance filter; generator rank -> its info(); version -> its eval's log row
+        self.kept, self.info, self.asked = {}, {}, {}
         self.threads = [threading.Thread(target=self._receive, args=(rank,), daemon=True)
                         for rank in (job.generators if job.rank == 0 else [])]
         for t in self.threads:
@@ -209,7 +209,7 @@ class TrainerLink(BatchSource):
 
     def next_batch(self):
         groups = self._collect(self.B if self.job.rank == 0 else 0, self._next_received)
-        kept = share(self.job, [g for g in groups if self.kept.pop(g[0].group)])  # every trainer rank trains on them
+        kept = share(self.job, [g for g in groups if self.kept.pop(g[0].group)])
         return self._batch(groups, kept)
 
     def _next_received(self, missing):
@@ -223,13 +223,11 @@ class TrainerLink(BatchSource):
         return g
 
     def _dropped(self):
-        counter(self.job, "dropped", 1)  # its place under the lag bound goes back to the generators
+        counter(self.job, "dropped", 1)
 
     def push_weights(self, policy):
-        """Every trainer rank: `policy.weights()` yields (name, tensor, dtype) (every trainer rank takes part in each
-        gather). Trainer rank 0 publishes the version, then broadcasts the tensors in buckets, each cast
-        while copied into one of two reused buffers, one in flight while the other is packed; the generators take them
-        between their engine steps."""
+        """Every trainer rank takes part in each gather of `policy.weights()` ((name, tensor, dtype)); trainer rank 0
+        publishes the version, then broadcasts the buckets, each cast while copied into one of two buffers."""
         self.version += 1
         weights = policy.weights()
         if self.job.rank != 0:
@@ -237,29 +235,29 @@ class TrainerLink(BatchSource):
                 pass
             return
         self._land()
-        counter(self.job, "version", 1)  # the generators join this version's broadcasts
+        counter(self.job, "version", 1)
         for i, run in enumerate(buckets(weights, self.bucket_bytes)):
             if len(run) == 1 and run[0][1].numel() * run[0][2].itemsize > self.bucket_bytes:
-                flat = run[0][1].reshape(-1).to(run[0][2], copy=True)  # larger than a bucket: a copy of its own
-                # (no buffer that big; never the live parameter, which the next step changes while this is in flight)
+                # larger than a bucket: a copy of its own, never the live parameter (the next step changes it)
+                flat = run[0][1].reshape(-1).to(run[0][2], copy=True)
             else:
-                flat = self.staging(i % 2, run, run[0][1].device)  # the buffer broadcast i - 2 sent from has landed
+                # the broadcast i - 2 sent from this buffer has landed; copy_ casts without torch.cat's temporary
+                flat = self.staging(i % 2, run, run[0][1].device)
                 for x, (_, t, _) in zip(flat.split([t.numel() for _, t, _ in run]), run):
-                    x.copy_(t.reshape(-1))  # cast while copied (torch.cat casts through a temporary)
+                    x.copy_(t.reshape(-1))
             self._land()
-            self.flat, self.pending = flat, dist.broadcast(flat, src=0, group=self.job.groups["weights"],
-                                                           async_op=True)  # (the tensor lives until it lands)
+            self.flat = flat  # alive until it lands
+            self.pending = dist.broadcast(flat, src=0, group=self.job.groups["weights"], async_op=True)
 
     def ask_eval(self, version, seed, row):
-        """Trainer rank 0: ask the generator ranks for `version`'s held-out pass rate (once it is published, before the
-        next one is); each evaluates its share with that version, between engine steps."""
+        """Trainer rank 0: ask the generator ranks for the held-out pass rate of `version`, to log with `row`."""
         self.asked[version] = row
         with waiting_for(self.job, "the job's TCPStore (held-out request)"):
             self.job.store.set(f"eval/{version}", str(seed))
 
     def evals(self, wait=False):
-        """Trainer rank 0: [(row, results of every generator rank)] of the evaluations that are complete, in order;
-        `wait`: all of them, within the time-out (a checkpoint or the end must not lose one)."""
+        """Trainer rank 0: [(row, results of every generator rank)] of the complete evaluations, in order; `wait`: all
+        of them, within the time-out (a checkpoint or the end must not lose one)."""
         out, t = [], time.time()
         for v in sorted(self.asked):
             keys = [f"eval/{v}/{rank}" for rank in self.job.generators]
@@ -284,7 +282,7 @@ class TrainerLink(BatchSource):
     def totals(self):
         """Generation so far over all generator ranks: the furthest epoch, sums of the rest."""
         infos = list(self.info.values())  # a copy: the receiver threads add to it
-        total = {key: sum(x[key] for x in infos) for key in ("npr_removed", "epoch", "reward_errors", "bad_prompts")}
+        total = {key: sum(x[key] for x in infos) for key in ("npr_removed", "reward_errors", "bad_prompts")}
         total["epoch"] = max((x["epoch"] for x in infos), default=0)
         return dict(tokens=counter(self.job, "gen_tokens"), gen_s=counter(self.job, "gen_us") / 1e6, **total)
 
@@ -301,66 +299,60 @@ class TrainerLink(BatchSource):
 
 
 def receive_weights(job, engine, version, bucket_bytes, take=True, staging=None):
-    """A generator rank's end of TrainerLink.push_weights: the version's buckets, formed from the engine's own
-    parameters, each loaded as it lands (`take`: PPO-off-policy receives every version, loads every k-th). The PyTorch
-    engine receives a bucket straight into its parameters; vLLM, and a version not taken, into one reused buffer
-    (`staging`: a Staging)."""
+    """A generator rank's end of TrainerLink.push_weights (`take` False: received, not loaded). The PyTorch engine
+    receives each bucket into its parameters; vLLM, and a version not taken, into `staging`'s one buffer."""
     staging = staging or Staging()
+    in_place = take and hasattr(engine, "landing")
     for run in buckets(((n, p, p.dtype) for n, p in engine.model.named_parameters()), bucket_bytes):
-        in_place = take and hasattr(engine, "landing")
         flat = engine.landing(run) if in_place else staging(0, run, engine.device)  # NCCL needs it on the GPU
         with waiting_for(job, f"policy version {version} from trainer rank 0"):
             dist.broadcast(flat, src=0, group=job.groups["weights"])
         if in_place:
             engine.version = version
         elif take:
-            engine.load_weights({n: x.view(t.shape) for x, (n, t, _) in zip(flat.split([t.numel() for _, t, _ in run]),
-                                                                              run)}, version)
+            parts = zip(flat.split([t.numel() for _, t, _ in run]), run)
+            engine.load_weights({n: x.view(t.shape) for x, (n, t, _) in parts}, version)
 
 
 def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_path, save_every, bucket_bytes,
                   evaluate=None):
-    """A generator rank's job until trainer rank 0 says stop. Each turn: receive the weight versions published since
-    the last, bucket by bucket (loaded in flight, Sec. 3.1; PPO-off-policy loads every k-th), evaluate a version the
-    trainer asked for (`evaluate(seed)` -> results, on this rank's share of the held-out prompts), send the groups
-    scored so far (on a thread) in finishing order, admit groups under the job's lag bound, one engine step; --resume
-    state every `save_every`."""
-    engine, staging = rollouts.engine, Staging()
+    """A generator rank until trainer rank 0 says stop. Each turn: take the published weights, evaluate a version asked
+    for (`evaluate(seed)` -> results), send the scored groups, admit groups under the lag bound, one engine step."""
+    engine, staging, evaluated = rollouts.engine, Staging(), set()
+    scorer, scoring = ThreadPoolExecutor(1, thread_name_prefix="score"), []  # [(future, groups)] in finishing order
+    # a resumed run starts at the checkpoint's version; next_group: taken from the counter, not started yet
+    received, saved, next_group, idle_since = engine.version, None, None, None
 
-    def held_out(v):  # trainer rank 0 asked for version v's pass rate: with v's weights, between engine steps
+    def held_out(v):  # version v's pass rate if trainer rank 0 asked for it: with v's weights, between engine steps
         if evaluate and v not in evaluated and job.store.check([f"eval/{v}"]):
             evaluated.add(v)
-            if engine.version != v:  # PPO-off-policy loads every k-th version only (scalerl.validate)
-                die(f"{job.name} was asked to evaluate policy version {v}, which it does not load")
+            assert engine.version == v, (engine.version, v)  # infra.cli: PPO evaluates only versions it loads
             with waiting_for(job, "the job's TCPStore (held-out results)"):
                 job.store.set(f"eval/{v}/{job.rank}", json.dumps(evaluate(int(job.store.get(f"eval/{v}")))))
             if engine.aside:  # training groups that finished during the evaluation
                 scoring.append((scorer.submit(rollouts.score, engine.aside), engine.aside))
                 engine.aside = []
-    evaluated = set()
-    received, saved = engine.version, None  # a resumed run starts at the checkpoint's version
-    next_group, idle_since = None, None     # the group id taken from the counter but not started yet
-    scorer, scoring = ThreadPoolExecutor(1, thread_name_prefix="score"), []  # [(future, groups)] in finishing order
     while True:
         stop = counter(job, "stop")  # read before the version: every broadcast published before the stop is received
         for v in range(received + 1, counter(job, "version") + 1):
             receive_weights(job, engine, v, bucket_bytes, take=mode == "pipeline" or v % k == 0, staging=staging)
             received = v
             held_out(v)
-        held_out(received)  # trainer rank 0 asks after it published the version (and the start's, after the start)
+        held_out(received)  # trainer rank 0 asks once it published the version (the start's: once it started)
         if received != saved and received % save_every == 0:
-            try:  # a full disk or a read-only folder: one line, no temporary left, the last good file kept
+            tmp = state_path + ".tmp"
+            try:
                 os.makedirs(os.path.dirname(state_path) or ".", exist_ok=True)
-                torch.save(dict(rollouts.state_dict(), version=received), state_path + ".tmp")
-                os.replace(state_path + ".tmp", state_path)
+                torch.save(dict(rollouts.state_dict(), version=received), tmp)
+                os.replace(tmp, state_path)
             except (OSError, RuntimeError) as e:
                 with contextlib.suppress(OSError):
-                    os.remove(state_path + ".tmp")
+                    os.remove(tmp)
                 free = shutil.disk_usage(os.path.dirname(os.path.abspath(state_path))).free
                 die(f"{job.name} cannot write {state_path} ({first_line(e)}; {free / 1e6:.1f} MB free); free space "
                     "or fix its permissions, then --resume")
             saved = received
-        while scoring and (stop or scoring[0][0].done()):  # scored groups go out in the order they finished
+        while scoring and (stop or scoring[0][0].done()):
             future, groups = scoring.pop(0)
             future.result()
             for s in (s for g in groups for s in g):
@@ -371,7 +363,7 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
         dropped = counter(job, "dropped")
         while engine.room > 0:
             if next_group is None:
-                next_group = counter(job, "admitted", 1) - 1  # the next group id, job-wide
+                next_group = counter(job, "admitted", 1) - 1
             if next_group >= admission_limit(mode, engine.version, k, batch_prompts, dropped):
                 break  # past the lag bound: it starts once newer weights arrive
             engine.add(rollouts.next_template(next_group), group_size)
@@ -394,10 +386,7 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
 
 
 def shard(policy, layers, group, body_dtype=torch.float32):
-    """FSDP2 over the trainer ranks of `group` (one process: a group of one, for the mixed precision): each of `layers`
-    a unit, the untied head a unit in its own dtype, the rest (embeddings, final norm) the root. Parameters, gradient
-    reduction and AdamW stay fp32; a unit's parameters are cast to the body dtype while it computes (Sec. 3.2).
-    Gradients are summed, not averaged: each rank's loss is its part of the whole batch's loss."""
+    """FSDP2 over `group`: each of `layers` a unit, the untied head a unit, the rest (embeddings, norm) the root."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     mesh = DeviceMesh.from_group(group, next(policy.parameters()).device.type)
@@ -427,9 +416,8 @@ def sharded(policy):
 
 
 class TrainerComm:
-    """What train_step and the loop need of the other trainer ranks: this rank's share of the batch, metrics summed
-    (and maxima taken) over the ranks, rank 0's stop signal, and a time-out on the gradients' collectives. With one
-    trainer rank each is a no-op."""
+    """What train_step and the loop need of the other trainer ranks: this rank's share of the batch, metrics reduced
+    over the ranks, rank 0's stop signal, a time-out on the gradients' collectives. One trainer rank: no-ops."""
     def __init__(self, job):
         self.job, self.rank, self.size = job, job.trainers.index(job.rank), len(job.trainers)
 
@@ -439,7 +427,6 @@ class TrainerComm:
         return waiting_for(self.job, f"{what} of trainer ranks {self.job.trainers}")
 
     def reduce(self, sums, maxes):
-        """Sums and maxima (dicts of numbers) over the trainer ranks, before logging."""
         if self.size == 1:
             return sums, maxes
         s, m = (torch.tensor(list(x.values()), dtype=torch.float64) for x in (sums, maxes))
@@ -450,4 +437,4 @@ class TrainerComm:
 
     def share(self, obj):
         """Trainer rank 0's `obj` on every trainer rank."""
-        return obj if self.size == 1 else share(self.job, obj)
+        return share(self.job, obj)

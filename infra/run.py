@@ -34,15 +34,13 @@ def device():
 
 
 def set_threads(cfg):
-    # two threads run the tiny model's matmuls 1.7x faster in one process; under torchrun each rank takes one
+    """Two threads run the tiny model's matmuls 1.7x faster in one process; under torchrun each rank takes one."""
     one_process = int(os.environ.get("WORLD_SIZE", 1)) == 1
     torch.set_num_threads(cfg.threads or (min(2, os.cpu_count() or 1) if one_process else 1))
 
 
 def start(cfg):
-    """The run directory checked (rank 0: a fresh one, or --resume with a readable checkpoint that fits the job's
-    layout), roles assigned under torchrun, the resume point shared with every rank. Returns (Dist, checkpoint on
-    rank 0 or None, resume point or None)."""
+    """(Dist, the checkpoint on rank 0 or None, the resume point or None on every rank)."""
     set_threads(cfg)
     metrics_path, ckpt_path = os.path.join(cfg.out_dir, "metrics.jsonl"), os.path.join(cfg.out_dir, "ckpt.pt")
     # the run directory and ckpt.pt live on rank 0's node
@@ -113,8 +111,7 @@ def make_engine(cfg, model, tok, seed):
 
 
 def rollouts(cfg, job, model, tok, train, tasks, seed):
-    """One process's generating side (a generator rank's: its share of the training prompts): the curriculum, an
-    engine, the verifiers."""
+    """The generating side of this process (a generator rank: its share of the training prompts)."""
     if job.rank in job.generators:
         train = train[job.generators.index(job.rank)::len(job.generators)]
     pool = pipeline_rl.make_pool(train, tasks, cfg.code_frac, seed=seed, npr=cfg.npr, npr_threshold=cfg.npr_threshold,
@@ -123,8 +120,7 @@ def rollouts(cfg, job, model, tok, train, tasks, seed):
 
 
 def batch_source(cfg, job, model, tok, train, tasks, seed):
-    """What the loop reads batches from: one process's Scheduler, or under torchrun the TrainerLink to the generator
-    ranks."""
+    """One process's Scheduler, or under torchrun the TrainerLink to the generator ranks."""
     if job.world > 1:
         return dist.TrainerLink(job, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
                                 bucket_bytes=cfg.sync_bucket_mb << 20)
@@ -147,9 +143,8 @@ def policy(cfg, job, model, tok):
 
 
 def restore(cfg, ckpt, resume, job, policy, opt, source):
-    """--resume on a trainer rank: the weights and optimizer state (under torchrun: this rank's shards), the batch
-    source's counters, and in one process the generating side. Returns (step, clock); a fresh run starts at step 0
-    with a zero clock."""
+    """--resume on a trainer rank: weights, optimizer (under torchrun: this rank's shards), the batch source's counters
+    and in one process the generating side. Returns (step, clock)."""
     if not resume:
         return 0, dict(device_hours=0.0, cpu_hours=0.0)
     with rundir.fits(os.path.join(cfg.out_dir, "ckpt.pt")):
@@ -196,17 +191,14 @@ def held_out_line(row, tasks):
 
 
 class Evaluator:
-    """The loop's held-out evaluation at a step (mean@eval_samples, Sec. 2.1), logged on trainer rank 0 with the
-    step's clock. One process: an engine of its own loads the step's weights. Under torchrun: trainer rank 0 asks the
-    generator ranks, which evaluate that version between their engine steps; `collect` logs their rows. Other trainer
-    ranks: nothing."""
+    """The loop's held-out evaluation (mean@eval_samples, Sec. 2.1), logged by trainer rank 0 with the step's clock;
+    under torchrun asked of the generator ranks, their rows logged by `collect`."""
     def __init__(self, cfg, job, model, tok, val, tasks, seed, source, log):
         self.cfg, self.job, self.tasks, self.seed, self.source, self.log = cfg, job, tasks, seed, source, log
         if job.world == 1:
             self.engine, self.templates = make_engine(cfg, model, tok, seed + 1), held_out(source.rollouts, val)
 
     def __call__(self, step, policy):
-        """The held-out pass rate of the step's weights, as a line for the progress output."""
         seed = self.seed + 7919 * step
         if self.job.rank != 0:
             return ""
@@ -234,9 +226,8 @@ class Evaluator:
 
 
 def generator_rank(cfg, job, rollouts, val, resume):
-    """A generator rank's job under torchrun: its curriculum restored on --resume, its share of the held-out prompts
-    for the evaluations trainer rank 0 asks for, then dist.run_generator until the trainer says stop."""
-    # its part of the checkpoint
+    """A generator rank's job: its curriculum restored on --resume, then dist.run_generator until the trainer says
+    stop; it evaluates its share of the held-out prompts when trainer rank 0 asks."""
     state_path = os.path.join(cfg.out_dir, f"generator{job.rank}.pt")
     if resume:
         rollouts.engine.version = resume["version"]
@@ -255,9 +246,8 @@ def generator_rank(cfg, job, rollouts, val, resume):
 
 
 def finish(cfg, job, step, bad_run, stop, source, evaluate, policy, model, tok, log):
-    """The end of the run: the last evaluations logged, the generators stopped, the policy exported (not when
-    preempted: schedulers give seconds), then the summary and the sigmoid fit of the run's own evaluations (Sec. 2.1),
-    one curve per task (Sec. 7), and curve.png."""
+    """The last evaluations logged, the generators stopped, the policy exported, the summary, and the sigmoid fit of
+    the run's own curve (Sec. 2.1), one per task (Sec. 7), with curve.png."""
     evaluate.collect(wait=not stop)
     source.close()
     # under torchrun: summed over the generator ranks
@@ -289,18 +279,13 @@ def finish(cfg, job, step, bad_run, stop, source, evaluate, policy, model, tok, 
 
 
 def tool(cfg):
-    """--dry_run (the plan, nothing loaded), --eval_only and --export: a run directory's tools, no training."""
+    """No training: --dry_run prints the plan (nothing loaded). In one process, out_dir's checkpoint (else --model's
+    own weights): --export writes out_dir/hf; --eval_only appends the held-out pass rate to out_dir/evals.jsonl,
+    seeded as the run's evaluation at that step."""
     if cfg.dry_run:
         from runs.plan import plan
         return print(plan(cfg))
     set_threads(cfg)
-    evaluate_or_export(cfg)
-
-
-def evaluate_or_export(cfg):
-    """--eval_only and --export, in one process: the weights of out_dir's checkpoint (with the run's own options), or
-    else --model's own (an exported hf/ directory, say). --eval_only prints the held-out pass rate and appends it to
-    out_dir/evals.jsonl; the seed is the one the run's evaluation at that step used, so the numbers agree."""
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
     ckpt = rundir.load_checkpoint(ckpt_path) if os.path.exists(ckpt_path) else None
     if cfg.export and not ckpt:

@@ -1,16 +1,14 @@
 """infra/rundir.py: the run directory, out/<run>/, kept by trainer rank 0 (checkpoint shards by every trainer rank).
 
 What it guarantees:
-- One live run per directory: an exclusive lock (out_dir/.lock, holding the pid), taken before anything is written,
+- One live run per directory: an exclusive lock (out_dir/.lock, holding the pid) taken before anything is written,
   released by the OS however the process ends.
-- Every file is replaced atomically (written beside, then renamed): a kill at any moment leaves the last good
-  ckpt.pt, config.json, hf/ or shards-<step>/ in place. Under torchrun ckpt.pt is written last and names a complete
-  set of shards; older shards are removed after it.
-- A write that fails for lack of space or permission ends the run with one line naming the path, the bytes needed
-  and what is free; what was written before stays intact, so --resume continues once it is fixed.
-- metrics.jsonl is append-only, one unbuffered write per row; a resumed run cuts it back to its checkpoint's step
-  (a torn last line from a kill is dropped), so the log continues seamlessly. config.json holds the options,
-  versions, git hash, ranks and a history entry per start or resume.
+- Files are replaced atomically (written beside, then renamed): a kill at any moment leaves the last good ckpt.pt,
+  config.json, hf/ or shards-<step>/. Under torchrun ckpt.pt is written last, naming a complete set of shards.
+- A write failing for lack of space or permission ends the run with one line (the path, the bytes needed, what is
+  free); what was written before stays intact, so --resume continues once it is fixed.
+- metrics.jsonl is append-only, one unbuffered write per row; a resume cuts it back to its checkpoint's step (and
+  drops a torn last line). config.json holds options, versions, git hash, ranks and a history entry per (re)start.
 - A checkpoint that is unreadable, foreign, or does not fit the run's options ends the run with one line.
 - SIGTERM/SIGUSR1 (what schedulers send before a kill) make the run finish its step, checkpoint and exit resumable.
 """
@@ -20,6 +18,7 @@ import errno
 import fcntl
 import json
 import os
+import pathlib
 import platform
 import re
 import shutil
@@ -34,10 +33,14 @@ import torch
 from infra import dist, fail, first_line, print0
 from infra.sandbox import sandbox_description
 
+# run directory -> descriptor of this process's lock on it (kept open: closing it releases the lock)
+HELD = {}
+# steps in a row without a group to learn from before the run says so
+NO_SIGNAL_STEPS = 5
+
 
 def lock_run_dir(out_dir):
-    """One live run per run directory: an exclusive flock on out_dir/.lock (holding the pid), taken before anything
-    is written and held while the process lives; the OS releases it when the process ends, killed or not."""
+    """Takes out_dir/.lock (an exclusive flock holding the pid) for as long as this process lives."""
     if os.path.realpath(out_dir) in HELD:  # this process holds it already (a run started again in-process)
         return
     os.makedirs(out_dir, exist_ok=True)
@@ -56,12 +59,8 @@ def lock_run_dir(out_dir):
     HELD[os.path.realpath(out_dir)] = fd
 
 
-HELD = {}  # run directory -> descriptor of this process's lock on it (kept open: closing it releases the lock)
-
-
 def write_failed(path, error, nbytes=0):
-    """A write of the run that failed: for lack of space or permission, one line naming the path, the bytes needed and
-    what is free (whatever was written before stays intact: --resume once it is fixed); anything else is raised."""
+    """A failed write of the run: lack of space or permission is one line (path, bytes needed, free); else raised."""
     free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
     code = getattr(error, "errno", None)
     if isinstance(error, PermissionError) or code in (errno.EACCES, errno.EROFS):
@@ -73,41 +72,31 @@ def write_failed(path, error, nbytes=0):
 
 
 def write_atomic(path, write, nbytes=0):
-    """`write(tmp)`, then tmp renamed over `path`: the previous file (or directory) stays valid until the new one is
-    complete; a failed write leaves no temporary behind. torch.save reports a full disk as a RuntimeError."""
+    """`write(tmp)`, then tmp (a file or a directory) renamed over `path`; a failed write leaves no temporary behind."""
     tmp = path + ".tmp"
     try:
         write(tmp)
         if os.path.isdir(tmp):
             shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
         with contextlib.suppress(OSError):
             os.remove(tmp)
         write_failed(path, e, nbytes)
 
 
-def text_writer(text):
-    """A `write` for write_atomic that puts `text` in the file (closed inside: a full disk shows at the flush)."""
-    def write(tmp):
-        with open(tmp, "w") as f:
-            f.write(text)
-    return write
-
-
 def tensor_bytes(obj):
     """Bytes of the tensors in a nest of dicts and lists: what saving it needs, roughly."""
     if isinstance(obj, dict):
-        return sum(tensor_bytes(v) for v in obj.values())
+        obj = list(obj.values())
     if isinstance(obj, (list, tuple)):
         return sum(tensor_bytes(v) for v in obj)
     return obj.nbytes if torch.is_tensor(obj) else 0
 
 
 def export_hf(cfg, model, tok, weights):
-    """The policy as a Hugging Face model directory, out_dir/hf: safetensors weights in the body dtype, config and
-    tokenizer (chat template included), for `from_pretrained` and vLLM. Written beside the old one, then swapped in."""
+    """The policy in the body dtype with its tokenizer, as a Hugging Face model directory out_dir/hf (vLLM reads it)."""
     from transformers.utils import logging
     logging.disable_progress_bar()
     weights = {k: v.to(getattr(torch, cfg.dtype)) for k, v in weights.items()}
@@ -118,9 +107,8 @@ def export_hf(cfg, model, tok, weights):
 
 
 class Preemption:
-    """SIGTERM and SIGUSR1 (what SLURM, Kubernetes and preemptible clouds send before a kill; SLURM with --signal):
-    `signal` is set, and the run finishes its step, writes a checkpoint and exits resumable. A second one exits at
-    once. Generator ranks keep generating until the trainer ends the job."""
+    """SIGTERM and SIGUSR1 (sent by SLURM with --signal, Kubernetes, preemptible clouds) set `signal`; a second one
+    exits at once. Generator ranks keep generating until the trainer ends the job."""
     def __init__(self):
         self.signal = None
         for s in (signal.SIGTERM, signal.SIGUSR1):
@@ -135,14 +123,14 @@ class Preemption:
 
 
 def load_checkpoint(path, want=("step", "device_hours", "version", "stale", "torch_rng")):
-    """A checkpoint's contents, to the CPU (plain tensors and containers only); a one-line exit if it is unreadable,
-    foreign, or names shards that are not there."""
+    """A checkpoint's contents on the CPU (plain tensors and containers only), else one line: unreadable, foreign
+    (a trainer's checkpoint also holds its weights, in the file or as shards), or naming shards that are not there."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 -- truncated, garbage or unsafe pickles all mean: not usable
         fail(f"checkpoint {path} is unreadable ({type(e).__name__}); restore a good copy or start a fresh --out_dir")
     missing = sorted(set(want) - set(ckpt)) if isinstance(ckpt, dict) else "everything"
-    if not missing and "step" in want and "model" not in ckpt and "shards" not in ckpt:
+    if not missing and "step" in want and not {"model", "shards"} & set(ckpt):
         missing = ["model"]
     if missing:
         fail(f"{path} is not a scalerl checkpoint (missing {missing}); start a fresh --out_dir")
@@ -154,7 +142,7 @@ def load_checkpoint(path, want=("step", "device_hours", "version", "stale", "tor
 
 @contextlib.contextmanager
 def fits(path):
-    """Restoring from the checkpoint at `path`: state that does not fit this run ends it with one line."""
+    """Restoring state read from `path`: state that does not fit this run ends it with one line."""
     try:
         yield
     except (RuntimeError, ValueError, KeyError, TypeError) as e:
@@ -163,11 +151,8 @@ def fits(path):
 
 
 def save_checkpoint(cfg, step, clock, source, job, policy, opt):
-    """Everything --resume needs from the trainer; every trainer rank calls it. In one process: one file, ckpt.pt,
-    with the fp32 weights, the optimizer state and the generating side. Under torchrun: each trainer rank writes its
-    shard into shards-<step>/ (`save_shards`), then trainer rank 0 writes ckpt.pt, the marker that names them, and
-    removes older shards; a kill at any point leaves ckpt.pt naming a complete set. (Generator ranks keep their own
-    state, generator<rank>.pt.)"""
+    """What --resume needs from the trainer (every trainer rank): in one process ckpt.pt holds it all; under torchrun
+    each trainer rank writes its shard into shards-<step>/ (nothing is gathered), then rank 0 a ckpt.pt naming them."""
     ckpt = dict(step=step, version=source.version, stale=source.dropped_stale, torch_rng=torch.get_rng_state(),
                 world=job.world, generators=job.generators, **clock)
     if job.world == 1:
@@ -178,8 +163,15 @@ def save_checkpoint(cfg, step, clock, source, job, policy, opt):
             opt_state = get_optimizer_state_dict(policy, opt, options=StateDictOptions(full_state_dict=True))
         ckpt.update(model=dist.full_state_dict(policy.lm), opt=opt_state, generating=source.rollouts.state_dict())
     else:
+        import torch.distributed.checkpoint as dcp
         ckpt["shards"], ckpt["shards_opt"] = f"shards-{step:06d}", bool(opt.state)
-        save_shards(job, policy, opt, os.path.join(cfg.out_dir, ckpt["shards"]))
+        where = os.path.join(cfg.out_dir, ckpt["shards"])
+        try:
+            with dist.waiting_for(job, f"checkpoint shards of trainer ranks {job.trainers}"):
+                dcp.save(sharded_state(policy, opt, ckpt["shards_opt"]), checkpoint_id=where,
+                         process_group=job.groups["trainer"])
+        except (OSError, dcp.api.CheckpointException) as e:  # a full disk on any rank fails the save on every rank
+            write_failed(where, e if isinstance(e, OSError) else OSError(errno.EIO, first_line(e)))
         if job.rank != 0:
             return
     write_atomic(os.path.join(cfg.out_dir, "ckpt.pt"), lambda tmp: torch.save(ckpt, tmp), tensor_bytes(ckpt))
@@ -198,21 +190,8 @@ def sharded_state(policy, opt, with_opt):
     return dict(zip(("model", "opt"), get_state_dict(policy.lm, opt)))
 
 
-def save_shards(job, policy, opt, where):
-    """Under torchrun, every trainer rank: its shard of the fp32 weights and the optimizer state, written with
-    torch.distributed.checkpoint into the directory `where` (nothing is gathered)."""
-    import torch.distributed.checkpoint as dcp
-    try:
-        with dist.waiting_for(job, f"checkpoint shards of trainer ranks {job.trainers}"):
-            dcp.save(sharded_state(policy, opt, bool(opt.state)), checkpoint_id=where,
-                     process_group=job.groups["trainer"])
-    except (OSError, dcp.api.CheckpointException) as e:  # a full disk on any rank fails the save on every rank
-        write_failed(where, e if isinstance(e, OSError) else OSError(errno.EIO, first_line(e)))
-
-
 def load_shards(job, policy, opt, where, with_opt):
-    """The inverse, on every trainer rank: each reads its own shard (the same number of trainer ranks); the optimizer
-    state if the checkpoint has one (the step-0 checkpoint has none)."""
+    """Under torchrun, every trainer rank reads its own shard, and the optimizer's if there is one (not at step 0)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
     state = sharded_state(policy, opt, with_opt)
@@ -225,20 +204,19 @@ def load_shards(job, policy, opt, where, with_opt):
 
 
 def load_optimizer(policy, opt, state):
-    """One process: ckpt.pt's optimizer state into `opt` (under FSDP2 from plain tensors; an empty state stays
-    empty, or it would be initialised with a zero step)."""
-    if dist.sharded(policy) and state["state"]:
+    """One process: ckpt.pt's optimizer state into `opt` (under FSDP2 from plain tensors; an empty state stays empty,
+    or it would be initialised with a zero step)."""
+    if not dist.sharded(policy):
+        opt.load_state_dict(state)
+    elif state["state"]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
         set_optimizer_state_dict(policy, opt, state, options=StateDictOptions(full_state_dict=True))
-    elif not dist.sharded(policy):
-        opt.load_state_dict(state)
 
 
 def load_weights(model, ckpt, out_dir):
-    """A checkpoint's fp32 weights into an unsharded `model`, in one process: from ckpt.pt, or read in full from the
-    shards a torchrun job wrote (torch.distributed.checkpoint reshards on load), to the CPU."""
-    path = os.path.join(out_dir, "ckpt.pt")
-    with fits(path):
+    """A checkpoint's fp32 weights into an unsharded `model` in one process, to the CPU: from ckpt.pt, or in full from
+    a torchrun job's shards (torch.distributed.checkpoint reshards on load)."""
+    with fits(os.path.join(out_dir, "ckpt.pt")):
         if "model" in ckpt:
             return model.load_state_dict(ckpt["model"])
         import torch.distributed.checkpoint as dcp
@@ -251,99 +229,10 @@ def load_weights(model, ckpt, out_dir):
 def read_metrics(path, upto_step):
     """Rows of an existing log up to `upto_step` (a torn last line from a kill mid-write is dropped)."""
     rows = []
-    if os.path.exists(path):
+    with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
         for line in open(path):
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                break
-            if row["step"] <= upto_step:
-                rows.append(row)
-    return rows
-
-
-def open_log(cfg, job, step, n_params, tok):
-    """The run's record: config.json (the options, versions, git hash, ranks, and a history entry per start or
-    resume) and metrics.jsonl, cut back to `step` (rows logged after the checkpoint are dropped, so a resumed log
-    continues seamlessly); returns a row writer (which also feeds --tracker). Takes the run directory's lock first."""
-    lock_run_dir(cfg.out_dir)
-    if not cfg.resume and os.path.exists(os.path.join(cfg.out_dir, "ckpt.pt")):  # a run started beside this one
-        fail(f"run directory {cfg.out_dir} already holds a run; pass --resume to continue it or pick another --out_dir")
-    path, meta_path = os.path.join(cfg.out_dir, "metrics.jsonl"), os.path.join(cfg.out_dir, "config.json")
-    rows = read_metrics(path, step) if cfg.resume else []  # a fresh start over a failed one starts a fresh log
-    text = "".join(json.dumps(r) + "\n" for r in rows)
-    write_atomic(path, text_writer(text), len(text))
-    versions = dict(python=platform.python_version(), torch=torch.__version__,
-                    transformers=__import__("transformers").__version__)
-    if cfg.engine == "vllm":
-        versions["vllm"] = __import__("vllm").__version__
-    git = None
-    with contextlib.suppress(Exception):  # no git is fine: the hash is informational
-        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
-    history = []
-    if cfg.resume:
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            history = json.load(open(meta_path))["history"]
-    history.append(dict(step=step, time=time.strftime("%Y-%m-%d %H:%M:%S"), argv=sys.argv[1:], git=git))
-    meta = dict(config=asdict(cfg), versions=versions, git=git, n_params=n_params, vocab=len(tok),
-                ranks=dict(trainers=job.trainers, generators=job.generators), history=history)
-    write_atomic(meta_path, text_writer(json.dumps(meta, indent=1)))
-    log, track = os.open(path, os.O_WRONLY | os.O_APPEND), tracker(cfg)
-
-    def write(row):  # one unbuffered append per row: a full disk is caught at that row, not at exit
-        line = (json.dumps(row) + "\n").encode()
-        try:
-            if os.write(log, line) < len(line):
-                raise OSError(errno.ENOSPC, "a short write")
-        except OSError as e:
-            write_failed(path, e, len(line))
-        track(row)
-    return write
-
-
-def tracker(cfg):
-    """--tracker: every metrics row also goes to TensorBoard (out_dir/tensorboard) or Weights & Biases (project
-    "scalerl", the run named after out_dir). Optional and off by default: metrics.jsonl stays the record."""
-    numbers = lambda row: {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}  # noqa: E731
-    if cfg.tracker == "tensorboard":
-        from torch.utils.tensorboard import SummaryWriter
-        writer = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"), flush_secs=10)
-
-        def write(row):
-            for key, value in numbers(row).items():
-                writer.add_scalar(key, value, row["step"])
-            writer.flush()
-        return write
-    if cfg.tracker == "wandb":
-        import wandb
-        run = wandb.init(project="scalerl", name=os.path.basename(os.path.normpath(cfg.out_dir)), config=asdict(cfg),
-                         dir=cfg.out_dir, resume="allow", id=re.sub(r"\W", "-", os.path.abspath(cfg.out_dir))[-64:])
-        return lambda row: run.log(numbers(row), step=row["step"])
-    return lambda row: None
-
-
-def metrics_row(step, clock, batch, stats, gen, gen0, dt, t_train, n_gen, source, task_of):
-    """The step's line of metrics.jsonl (every key is in the README's glossary)."""
-    samples = [s for g in batch.groups for s in g]
-    gen_s = gen["gen_s"] - gen0["gen_s"]  # seconds spent generating during the step (all generator ranks)
-    row = dict(step=step, **clock, policy_version=source.version, reward=float(np.mean([s.reward for s in samples])),
-               loss=stats["loss"], clip_frac=stats["clip_frac"], ratio_mean=stats["ratio_mean"],
-               ratio_max=stats["ratio_max"], mismatch_kl=stats["mismatch_kl"], lag_mean=batch.lag_mean,
-               lag_max=batch.lag_max, mixed_version_frac=float(np.mean([len(set(s.versions)) > 1 for s in samples])),
-               dropped_stale=source.dropped_stale,
-               trunc_rate=float(np.mean([s.interrupted or s.truncated for s in samples])),
-               zero_var_frac=1 - len(batch.kept) / len(batch.groups), npr_removed=gen["npr_removed"],
-               epoch=gen["epoch"], gen_tok_s=(gen["tokens"] - gen0["tokens"]) / max(gen_s, 1e-9),
-               gen_busy=gen_s / (dt * n_gen), train_tok_s=stats["n_tokens"] / max(t_train, 1e-9),
-               train_busy=t_train / dt, train_tokens=stats["n_tokens"], lr=stats["lr"], dt=dt, sync_s=stats["sync_s"],
-               skipped_nonfinite=int(not stats["finite"]), reward_errors=gen["reward_errors"],
-               bad_prompts=gen["bad_prompts"])
-    for t in dict.fromkeys(task_of.values()):  # with several tasks: the mean reward of each task's completions
-        mine = [s.reward for s in samples if task_of[s.prompt_id] == t]
-        if mine:
-            row[f"reward_{t}"] = float(np.mean(mine))
-    return row
+            rows.append(json.loads(line))
+    return [row for row in rows if row["step"] <= upto_step]
 
 
 def per_task(row, key, tasks):
@@ -352,59 +241,13 @@ def per_task(row, key, tasks):
     return f" ({', '.join(parts)})" if parts else ""
 
 
-def progress_line(row, max_steps, eta, tasks):
-    """One line per step: reward, loss, clipping, mismatch, lag, truncation, zero-variance share, speeds, time."""
-    return (f"step {row['step']:4d}/{max_steps} | reward {row['reward']:+.3f}{per_task(row, 'reward', tasks)} | loss "
-            f"{row['loss']:+.4f} | clip {row['clip_frac']:.3f} | kl {row['mismatch_kl']:+.1e} | lag "
-            f"{row['lag_mean']:.1f}/{row['lag_max']} | trunc {row['trunc_rate']:.2f} | zv {row['zero_var_frac']:.2f} | "
-            f"gen {row['gen_tok_s']:.0f} tok/s | train {row['train_tok_s']:.0f} tok/s | {row['dt']:.2f}s | eta "
-            f"{eta / 60:.1f}m")
-
-
-NO_SIGNAL_STEPS = 5  # steps in a row without a group to learn from before the run says so
-
-
-def no_signal(row, cfg):
-    """The warning for a run that learns nothing: every group of the last NO_SIGNAL_STEPS steps had equal rewards."""
-    if row["trunc_rate"] > 0.5:
-        why = (f"{row['trunc_rate']:.0%} of completions hit the length budget (--think_max={cfg.think_max}, "
-               f"--answer_budget={cfg.answer_budget}): raise them, or check that the model closes its thinking")
-    elif row["reward"] < 0:
-        why = ("every completion failed: check that the model writes its answer after </think> in the form the task's "
-               "checker reads (data.reward), and the dataset's answers (--answer_key)")
-    else:
-        why = "every completion passed: the prompts are too easy for this model; pick a harder --task"
-    return f"warning: no learning signal for {NO_SIGNAL_STEPS} steps (every group zero-variance): {why}"
-
-
-def describe(cfg, job, n_params, n_train, n_val, tasks=()):
-    """The numbers that matter, printed at start-up."""
-    B, G, k = cfg.batch_prompts, cfg.group_size, cfg.max_lag
-    print(f"scalerl | {cfg.model} {n_params / 1e6:.2f}M params, body {cfg.dtype}, head "
-          f"{'fp32' if cfg.fp32_head else cfg.dtype} | {cfg.task}: {n_train} train / {n_val} held-out prompts\n"
-          f"  {B} prompts x {G} completions = {B * G} per step | {cfg.max_steps} steps | think {cfg.think_min}-"
-          f"{cfg.think_max} + answer {cfg.answer_budget} tokens | interruption {'on' if cfg.interrupt else 'off'}\n"
-          f"  {cfg.loss} loss, {cfg.agg} aggregation, {cfg.adv_norm} adv norm, zero-var filter {cfg.zero_var_filter}, "
-          f"NPR {cfg.npr} | {'PipelineRL' if cfg.off_policy == 'pipeline' else 'PPO-off-policy'}-{k}, "
-          f"{cfg.decode_per_step} decode steps per train step | engine {cfg.engine}, {cfg.slots} slots")
-    # which protections the code sandbox has on this machine (Landlock, namespaces, uids)
-    if "code" in tasks:
-        print(f"  code sandbox: {sandbox_description()}")
-    if job.world > 1:
-        fsdp = " (FSDP2)" if len(job.trainers) > 1 else ""
-        print(f"  torchrun: {job.world} ranks | trainer ranks {job.trainers}{fsdp} | "
-              f"generator ranks {job.generators} | device-hours = wall time x {job.world}")
-
-
 class Log:
-    """The loop's record: timers and the compute clock on every trainer rank; on trainer rank 0 also config.json,
-    metrics.jsonl (and --tracker), one progress line per step, the no-signal warning and the end-of-run summary.
-    Other ranks make the same calls and write nothing."""
+    """The loop's record: timers and the compute clock on every trainer rank; on trainer rank 0 also the run's files,
+    the progress lines, the no-signal warning and the summary (other ranks make the same calls, writing nothing)."""
     def __init__(self, cfg, job):
-        self.cfg, self.job, self.t_start, self.timers = cfg, job, time.time(), {}
+        self.cfg, self.job, self.t_start, self.timers, self.tasks = cfg, job, time.time(), {}, ()
         # seconds, for the summary at the end
         self.took = dict(warm_start=0.0, training=0.0, evaluation=0.0)
-        self.write, self.tasks = (lambda row: None), ()
 
     @contextlib.contextmanager
     def timer(self, key):
@@ -415,40 +258,140 @@ class Log:
             self.took[key] += self.timers[key]
 
     def open(self, step, clock, model, tok, train, val, tasks):
-        """The run's files and the start-up summary (trainer rank 0); the loop's clocks start."""
+        """The loop's clocks start; on trainer rank 0 the run directory's files and the start-up summary."""
+        cfg, job, B, G = self.cfg, self.job, self.cfg.batch_prompts, self.cfg.group_size
         self.clock, self.tasks, self.idle = clock, tasks, 0
         # with several tasks, each task's reward is logged too
         self.task_of = {p.id: p.task for p in train} if len(tasks) > 1 else {}
-        n_params = sum(p.numel() for p in model.parameters())
-        if self.job.rank == 0:
-            self.write = open_log(self.cfg, self.job, step, n_params, tok)
-            describe(self.cfg, self.job, n_params, len(train), len(val), tasks)
+        if job.rank == 0:
+            n_params = sum(p.numel() for p in model.parameters())
+            self.open_files(step, n_params, tok)
+            pipeline = "PipelineRL" if cfg.off_policy == "pipeline" else "PPO-off-policy"
+            print(f"scalerl | {cfg.model} {n_params / 1e6:.2f}M params, body {cfg.dtype}, head "
+                  f"{'fp32' if cfg.fp32_head else cfg.dtype} | {cfg.task}: {len(train)} train / {len(val)} held-out "
+                  f"prompts\n  {B} prompts x {G} completions = {B * G} per step | {cfg.max_steps} steps | think "
+                  f"{cfg.think_min}-{cfg.think_max} + answer {cfg.answer_budget} tokens | interruption "
+                  f"{'on' if cfg.interrupt else 'off'}\n  {cfg.loss} loss, {cfg.agg} aggregation, {cfg.adv_norm} adv "
+                  f"norm, zero-var filter {cfg.zero_var_filter}, NPR {cfg.npr} | {pipeline}-{cfg.max_lag}, "
+                  f"{cfg.decode_per_step} decode steps per train step | engine {cfg.engine}, {cfg.slots} slots")
+            # which protections the code sandbox has on this machine (Landlock, namespaces, uids)
+            if "code" in tasks:
+                print(f"  code sandbox: {sandbox_description()}")
+            if job.world > 1:
+                fsdp = " (FSDP2)" if len(job.trainers) > 1 else ""
+                print(f"  torchrun: {job.world} ranks | trainer ranks {job.trainers}{fsdp} | "
+                      f"generator ranks {job.generators} | device-hours = wall time x {job.world}")
         self.t_loop, self.first, self.eval_0 = time.time(), step, self.took["evaluation"]
+
+    def open_files(self, step, n_params, tok):
+        """The lock first; metrics.jsonl cut back to `step`; config.json with a history entry appended; --tracker
+        (TensorBoard in out_dir/tensorboard, or W&B project "scalerl" with the run named after out_dir)."""
+        cfg, job = self.cfg, self.job
+        lock_run_dir(cfg.out_dir)
+        if not cfg.resume and os.path.exists(os.path.join(cfg.out_dir, "ckpt.pt")):  # a run started beside this one
+            fail(f"run directory {cfg.out_dir} already holds a run; pass --resume to continue it or pick another "
+                 "--out_dir")
+        self.path, meta_path = os.path.join(cfg.out_dir, "metrics.jsonl"), os.path.join(cfg.out_dir, "config.json")
+        rows = read_metrics(self.path, step) if cfg.resume else []  # a fresh start over a failed one starts a fresh log
+        text = "".join(json.dumps(r) + "\n" for r in rows)
+        write_atomic(self.path, lambda tmp: pathlib.Path(tmp).write_text(text), len(text))
+        modules = ["torch", "transformers"] + (["vllm"] if cfg.engine == "vllm" else [])
+        versions = dict(python=platform.python_version(), **{m: __import__(m).__version__ for m in modules})
+        git = None
+        with contextlib.suppress(Exception):  # no git is fine: the hash is informational
+            git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                                 cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+        history = []
+        if cfg.resume:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                history = json.load(open(meta_path))["history"]
+        history.append(dict(step=step, time=time.strftime("%Y-%m-%d %H:%M:%S"), argv=sys.argv[1:], git=git))
+        meta = dict(config=asdict(cfg), versions=versions, git=git, n_params=n_params, vocab=len(tok),
+                    ranks=dict(trainers=job.trainers, generators=job.generators), history=history)
+        write_atomic(meta_path, lambda tmp: pathlib.Path(tmp).write_text(json.dumps(meta, indent=1)))
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        if cfg.tracker == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            self.tracker = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"), flush_secs=10)
+        elif cfg.tracker == "wandb":
+            import wandb
+            self.tracker = wandb.init(project="scalerl", name=os.path.basename(os.path.normpath(cfg.out_dir)),
+                                      config=asdict(cfg), dir=cfg.out_dir, resume="allow",
+                                      id=re.sub(r"\W", "-", os.path.abspath(cfg.out_dir))[-64:])
+
+    def write(self, row):
+        """A row of metrics.jsonl in one unbuffered append (a full disk is caught at that row), and to --tracker."""
+        line = (json.dumps(row) + "\n").encode()
+        try:
+            if os.write(self.fd, line) < len(line):
+                raise OSError(errno.ENOSPC, "a short write")
+        except OSError as e:
+            write_failed(self.path, e, len(line))
+        # --tracker: the row's numbers
+        numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
+        if self.cfg.tracker == "tensorboard":
+            for key, value in numbers.items():
+                self.tracker.add_scalar(key, value, row["step"])
+            self.tracker.flush()
+        elif self.cfg.tracker == "wandb":
+            self.tracker.log(numbers, step=row["step"])
 
     def begin(self, source):
         """A step starts: its clocks, and the generation counters before it."""
         self.t0, self.c0, self.gen0 = time.time(), time.process_time(), source.totals()
 
     def step(self, step, batch, stats, source, bad_run):
-        """The step's metrics row logged (rank 0), the clock advanced; returns its progress line ("" elsewhere)."""
-        dt = time.time() - self.t0
+        """The clock advanced; on rank 0 the step's row logged (keys in the README's glossary) and its progress line."""
+        cfg, dt, t_train = self.cfg, time.time() - self.t0, self.timers["train_s"]
         # the compute axis counts every device; CPU time of this process is immune to a busy machine
         self.clock["device_hours"] += dt * self.job.world / 3600
         self.clock["cpu_hours"] += (time.process_time() - self.c0) / 3600
-        self.took["training"] += self.timers["train_s"]
+        self.took["training"] += t_train
         if self.job.rank != 0:
             return ""
-        stats = dict(stats, sync_s=self.timers["sync_s"])
-        row = metrics_row(step, self.clock, batch, stats, source.totals(), self.gen0, dt, self.timers["train_s"],
-                          max(len(self.job.generators), 1), source, self.task_of)
+        gen, samples = source.totals(), [s for g in batch.groups for s in g]
+        # seconds spent generating during the step (all generator ranks)
+        gen_s = gen["gen_s"] - self.gen0["gen_s"]
+        row = dict(step=step, **self.clock, policy_version=source.version,
+                   reward=float(np.mean([s.reward for s in samples])),
+                   **{k: stats[k] for k in ("loss", "clip_frac", "ratio_mean", "ratio_max", "mismatch_kl")},
+                   lag_mean=batch.lag_mean, lag_max=batch.lag_max,
+                   mixed_version_frac=float(np.mean([len(set(s.versions)) > 1 for s in samples])),
+                   dropped_stale=source.dropped_stale,
+                   trunc_rate=float(np.mean([s.interrupted or s.truncated for s in samples])),
+                   zero_var_frac=1 - len(batch.kept) / len(batch.groups), npr_removed=gen["npr_removed"],
+                   epoch=gen["epoch"], gen_tok_s=(gen["tokens"] - self.gen0["tokens"]) / max(gen_s, 1e-9),
+                   gen_busy=gen_s / (dt * max(len(self.job.generators), 1)),
+                   train_tok_s=stats["n_tokens"] / max(t_train, 1e-9), train_busy=t_train / dt,
+                   train_tokens=stats["n_tokens"], lr=stats["lr"], dt=dt, sync_s=self.timers["sync_s"],
+                   skipped_nonfinite=int(not stats["finite"]), reward_errors=gen["reward_errors"],
+                   bad_prompts=gen["bad_prompts"])
+        # with several tasks: the mean reward of each task's completions
+        for t in dict.fromkeys(self.task_of.values()):
+            mine = [s.reward for s in samples if self.task_of[s.prompt_id] == t]
+            if mine:
+                row[f"reward_{t}"] = float(np.mean(mine))
         self.write(row)
-        # no group with a learning signal
+        # no group with a learning signal for NO_SIGNAL_STEPS steps in a row
         self.idle = self.idle + 1 if row["zero_var_frac"] == 1 else 0
         if self.idle == NO_SIGNAL_STEPS:
-            print(no_signal(row, self.cfg), flush=True)
+            if row["trunc_rate"] > 0.5:
+                why = (f"{row['trunc_rate']:.0%} of completions hit the length budget (--think_max={cfg.think_max}, "
+                       f"--answer_budget={cfg.answer_budget}): raise them, or check that the model closes its thinking")
+            elif row["reward"] < 0:
+                why = ("every completion failed: check that the model writes its answer after </think> in the form the "
+                       "task's checker reads (data.reward), and the dataset's answers (--answer_key)")
+            else:
+                why = "every completion passed: the prompts are too easy for this model; pick a harder --task"
+            print(f"warning: no learning signal for {NO_SIGNAL_STEPS} steps (every group zero-variance): {why}",
+                  flush=True)
         spent = time.time() - self.t_loop - self.took["evaluation"] + self.eval_0
-        line = progress_line(row, self.cfg.max_steps, spent / (step - self.first) * (self.cfg.max_steps - step),
-                             self.tasks)
+        eta = spent / (step - self.first) * (cfg.max_steps - step)
+        line = (f"step {step:4d}/{cfg.max_steps} | reward {row['reward']:+.3f}{per_task(row, 'reward', self.tasks)} "
+                f"| loss {row['loss']:+.4f} | clip {row['clip_frac']:.3f} | kl {row['mismatch_kl']:+.1e} | lag "
+                f"{row['lag_mean']:.1f}/{row['lag_max']} | trunc {row['trunc_rate']:.2f} | zv "
+                f"{row['zero_var_frac']:.2f} | gen {row['gen_tok_s']:.0f} tok/s | train {row['train_tok_s']:.0f} "
+                f"tok/s | {dt:.2f}s | eta {eta / 60:.1f}m")
         if not stats["finite"]:
             line += f" | non-finite loss or gradients: step skipped ({bad_run} in a row)"
         return line

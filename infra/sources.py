@@ -27,7 +27,6 @@ import torch
 
 import data
 import trainer
-from data import Problem
 from infra import fail, first_line, print0, sandbox
 
 _RG_ENTRIES = {}  # Problem -> (reasoning-gym dataset, entry): the entry its scorer needs (Problem is frozen)
@@ -66,14 +65,13 @@ for line in sys.stdin:
 
 
 class _MathWorker:
-    """Math-Verify in a child process. Its own time-outs use signals (main thread only) and a thread cannot stop SymPy
-    inside one long C call (e.g. 9^{9^{9^9}} holds the GIL), so a check that runs past its deadline kills the child;
-    the next check starts a fresh one (~1 s). Cost ~1-5 ms a check."""
+    """Math-Verify in a child process, ~1-5 ms a check. Its time-outs need the main thread and SymPy can hold the GIL
+    in one C call (9^{9^{9^9}}), so a check past its deadline kills the child; the next check starts one (~1 s)."""
 
     def __init__(self):
         self.proc, self.lock = None, threading.Lock()
 
-    def _read(self, timeout):  # one line from the child, or None after timeout seconds
+    def _read(self, timeout):
         ready = select.select([self.proc.stdout], [], [], timeout)[0]
         return self.proc.stdout.readline().strip() if ready else None
 
@@ -88,8 +86,7 @@ class _MathWorker:
             try:
                 if self.proc is None or self.proc.poll() is not None:
                     self.proc = subprocess.Popen([sys.executable, "-c", _MATH_WORKER_LOOP], stdin=subprocess.PIPE,
-                                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                                 encoding="utf-8")
+                                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, encoding="utf-8")
                     if self._read(120.0) != "ready":
                         raise RuntimeError("math-verify worker did not start; is math-verify installed?")
                 # answers are short; the tail keeps a final \boxed{} of a long one
@@ -116,14 +113,12 @@ def _gsm8k_answer(text):  # (trace, answer) of an answer cell: "steps #### 1,234
 
 def last_boxed(text):
     """Content of the last \\boxed{...} in text (nested braces allowed), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 0, start + len("\\boxed")
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
+    _, found, tail = text.rpartition("\\boxed{")
+    depth = 1
+    for j, char in enumerate(tail if found else ""):
+        depth += {"{": 1, "}": -1}.get(char, 0)
         if depth == 0:
-            return text[i + 1:j]
+            return tail[:j]
     return None
 
 
@@ -177,14 +172,28 @@ def _read_rows(source, path, hub, config, split):
     return rows
 
 
-def _rows_to_problems(rows, source, prompt_key, answer_key, trace_key, answer_fn):
-    """Problems from rows, code when answer_fn is None; a row without a question or a checkable answer is skipped."""
+def _dataset_problems(source, data_path, prompt_key, answer_key, kw):
+    """A preset's, hub dataset's or file's problems; a row without a question or a checkable answer is skipped."""
+    is_file = source.endswith(FILE_TYPES)
+    if source not in PRESETS and not is_file and ("/" not in source or os.path.exists(source)):
+        raise ValueError(f"unknown source {source!r}: expected arith, code, rg:<task> (a reasoning-gym task), a preset "
+                         f"({', '.join(PRESETS)}; --data_path=FILE reads a local copy), a hub dataset owner/name or a "
+                         f"file path ending .json/.jsonl/.parquet")
+    hub, config, prompt_col, answer_col, answer_fn = PRESETS.get(source, (source, None, "problem", "answer",
+                                                                          _gsm8k_answer))
+    rows = _read_rows(source, data_path or (source if is_file else None), hub, kw.get("config", config),
+                      kw.get("split", "train"))
+    if answer_fn is None or rows and "tests" in rows[0] and answer_key in (None, "tests"):  # DeepCoder-style
+        answer_col, answer_fn = "tests", None
+    elif importlib.util.find_spec("math_verify") is None:  # else every math reward would quietly fail
+        raise ValueError(f"source {source!r} is checked with math-verify: pip install math-verify")
+    prompt_key, answer_key, trace_key = prompt_key or prompt_col, answer_key or answer_col, kw.get("trace_key")
     for key in (prompt_key, answer_key):
         if rows and key not in rows[0]:
             raise ValueError(f"dataset {source!r} has no column {key!r}; columns: {sorted(rows[0])}; pass "
                              f"--prompt_key/--answer_key")
     task, instruction = ("math", data.MATH_INSTRUCTION) if answer_fn else ("code", data.CODE_INSTRUCTION)
-    out = []
+    problems = []
     for i, row in enumerate(rows):
         question, answer, trace = row.get(prompt_key), row.get(answer_key), ""
         if answer_fn is None:
@@ -193,10 +202,11 @@ def _rows_to_problems(rows, source, prompt_key, answer_key, trace_key, answer_fn
             trace, answer = answer_fn(str(answer))
             trace = str(row.get(trace_key) or "") if trace_key else trace
         if question is not None and answer is not None and str(question).strip() and str(answer).strip():
-            out.append(Problem(i, str(question).strip() + instruction, str(answer).strip(), task, 0, trace.strip()))
-    if not out and answer_fn is None:
+            problems.append(data.Problem(i, str(question).strip() + instruction, str(answer).strip(), task, 0,
+                                         trace.strip()))
+    if not problems and answer_fn is None:
         raise ValueError(f"dataset {source!r}: no row has stdin/stdout tests in its {answer_key!r} column")
-    return out
+    return problems
 
 
 def _reasoning_gym(source, size, seed, options):
@@ -214,24 +224,11 @@ def _reasoning_gym(source, size, seed, options):
         dataset = create_dataset(name, size=size, seed=seed, **options)
     except Exception as e:  # a bad value: the task's own message
         raise ValueError(f"reasoning-gym task {name!r} with options {options}: {first_line(e)}") from None
-    problems = []
-    for i in range(len(dataset)):
-        entry = dataset[i]
-        problems.append(Problem(i, entry["question"] + data.RG_INSTRUCTION, str(entry["answer"]), source))
-        _RG_ENTRIES[problems[-1]] = (dataset, entry)
+    entries = [dataset[i] for i in range(len(dataset))]
+    problems = [data.Problem(i, e["question"] + data.RG_INSTRUCTION, str(e["answer"]), source)
+                for i, e in enumerate(entries)]
+    _RG_ENTRIES.update({p: (dataset, e) for p, e in zip(problems, entries)})
     return problems
-
-
-def _split(problems, n_val, n_train, seed, source):
-    if len(problems) <= n_val:
-        raise ValueError(f"source {source!r} has {len(problems)} usable prompts; n_val={n_val} leaves "
-                         f"none for training; pass a smaller n_val")
-    order = list(range(len(problems)))
-    random.Random(seed).shuffle(order)
-    val = [problems[i] for i in order[:n_val]]
-    seen = {p.question for p in val}  # the same question under another id must not leak into training
-    train = [problems[i] for i in order[n_val:] if problems[i].question not in seen]
-    return train[:n_train] if n_train is not None else train, val
 
 
 def load_problems(source, n_val=1000, seed=0, n_train=None, prompt_key=None, answer_key=None, data_path=None,
@@ -239,7 +236,7 @@ def load_problems(source, n_val=1000, seed=0, n_train=None, prompt_key=None, ans
     """(train, val) lists of Problem. source: "arith" or "code" (kw: levels, error_rate), "rg:<task>" (its options
     as rg_options={...} or kw), both with n_train 5000 by default; a preset (data_path=FILE: a local copy), a hub
     "owner/name" or a .json/.jsonl/.parquet file (prompt_key, answer_key, kw trace_key: columns; kw config, split)."""
-    rg, is_file = source.startswith("rg:"), source.endswith(FILE_TYPES)
+    rg = source.startswith("rg:")
     allowed = (("levels", "error_rate") if source in ("arith", "code") else ("rg_options",) if rg else
                ("prompt_key", "answer_key", "data_path", "config", "split", "trace_key"))
     given = {k for k, v in dict(prompt_key=prompt_key, answer_key=answer_key, data_path=data_path,
@@ -254,22 +251,17 @@ def load_problems(source, n_val=1000, seed=0, n_train=None, prompt_key=None, ans
     if rg:
         n_train = 5000 if n_train is None else n_train
         problems = _reasoning_gym(source, n_val + n_train, seed, {**(rg_options or {}), **kw})
-        return _split(problems, n_val, n_train, seed, source)
-    if source not in PRESETS and not is_file and ("/" not in source or os.path.exists(source)):
-        raise ValueError(f"unknown source {source!r}: expected arith, code, rg:<task> (a reasoning-gym task), a preset "
-                         f"({', '.join(PRESETS)}; --data_path=FILE reads a local copy), a hub dataset owner/name or a "
-                         f"file path ending .json/.jsonl/.parquet")
-    hub, config, prompt_col, answer_col, answer_fn = PRESETS.get(source, (source, None, "problem", "answer",
-                                                                          _gsm8k_answer))
-    rows = _read_rows(source, data_path or (source if is_file else None), hub, kw.get("config", config),
-                      kw.get("split", "train"))
-    if answer_fn is None or rows and "tests" in rows[0] and answer_key in (None, "tests"):  # DeepCoder-style
-        answer_col, answer_fn = "tests", None
-    elif importlib.util.find_spec("math_verify") is None:  # else every math reward would quietly fail
-        raise ValueError(f"source {source!r} is checked with math-verify: pip install math-verify")
-    problems = _rows_to_problems(rows, source, prompt_key or prompt_col, answer_key or answer_col,
-                                 kw.get("trace_key"), answer_fn)
-    return _split(problems, n_val, n_train, seed, source)
+    else:
+        problems = _dataset_problems(source, data_path, prompt_key, answer_key, kw)
+    if len(problems) <= n_val:
+        raise ValueError(f"source {source!r} has {len(problems)} usable prompts; n_val={n_val} leaves "
+                         f"none for training; pass a smaller n_val")
+    order = list(range(len(problems)))
+    random.Random(seed).shuffle(order)
+    val = [problems[i] for i in order[:n_val]]
+    seen = {p.question for p in val}  # the same question under another id must not leak into training
+    train = [problems[i] for i in order[n_val:] if problems[i].question not in seen]
+    return train[:n_train], val
 
 
 def combine(parts):
@@ -290,8 +282,7 @@ def load_data(cfg):
     the held-out and training prompts, and each task its own curve (Sec. 7)."""
     levels = tuple(int(x) for x in cfg.levels.split(","))
     sources = cfg.task.split("+")
-    given = dict(data_path=cfg.data_path, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key)
-    options = {k: v for k, v in given.items() if v}  # for datasets; the built-in tasks take levels
+    options = {k: getattr(cfg, k) for k in ("data_path", "prompt_key", "answer_key") if getattr(cfg, k)}
     options.update(json.loads(cfg.task_options or "{}"))
     try:
         train, val = combine([load_problems(
@@ -314,10 +305,9 @@ def load_data(cfg):
 
 
 def load_model(cfg, tasks):
-    """(model, tokenizer): the tiny Llama and its character tokenizer built in code, or any causal LM by hub name or
-    path (fp32 master weights)."""
+    """(model, tokenizer): the tiny Llama and its character tokenizer, or a causal LM by hub name or path (fp32)."""
     if cfg.model == "tiny":
-        tok = data.char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=" + ("code" in tasks) * data.CODE_CHARS)
+        tok = data.char_tokenizer(data.ARITH_CHARS + ("code" in tasks) * data.CODE_CHARS)
         return trainer.tiny_model(cfg, len(tok)), tok
     from transformers import AutoModelForCausalLM, AutoTokenizer
     t0 = time.time()

@@ -7,12 +7,14 @@ releases). Every vLLM call of the project is here; vllm is imported when an engi
   - In-flight updates (Sec. 3.1) load in place between engine steps, a bucket at a time, through vLLM's own loader in
     its worker: running requests keep their KV cache. (vLLM starts from dummy weights, then loads the model's.)
   - No request submitted after an update starts from KV computed before it: prefix caching is on, but every request
-    is salted with its policy version, which enters every block's hash (vLLM 0.32 cannot reset the cache mid-flight).
+    is salted with its policy version, which enters every block's hash (vLLM 0.32 resets its prefix cache only with
+    no request running, or by recomputing the running ones' KV).
   - Under torchrun (`child`) the engine core is a child process on the rank's GPU, away from the job's
     torch.distributed world; buckets reach it as bytes over vLLM's RPC. It steps ahead of our `step()`: a load pauses
     it (requests and KV kept) until the next `step()`, and each token records the version that sampled it (vLLM's
     weight_version stamp on each output).
-  - vLLM's start-up leaves this process's CUDA_VISIBLE_DEVICES, RNG states and torch threads as they were.
+  - vLLM's start-up leaves this process's CUDA_VISIBLE_DEVICES, RNG states and torch threads as they were; it sets
+    only vLLM's own variables.
 """
 import atexit
 import contextlib

@@ -10,7 +10,7 @@ import os
 import sys
 
 import losses
-import pipeline_rl
+from infra import dist
 
 # Shapes of hub models a plan may name while offline (their config.json values): layers, hidden, MLP, q heads,
 # kv heads, head dim, vocabulary, tied embeddings.
@@ -66,7 +66,7 @@ def kv_token(cfg, shape):
 
 
 def trainer_rows(cfg, shape, T, seq):
-    """A trainer GPU (trainer.shard: FSDP2 over T ranks, or over one for the mixed precision of a body below fp32).
+    """A trainer GPU (infra.dist.shard: FSDP2 over T ranks, or over one for the mixed precision of a body below fp32).
     A sequence longer than the micro-batch is a micro-batch of its own (trainer.micro_batches)."""
     P, layer, root, b, hb = sizes(cfg, shape)
     fsdp, tokens, VH = T > 1 or b < 4, max(cfg.micro_batch_tokens, seq), shape[6] * shape[1]
@@ -80,7 +80,7 @@ def trainer_rows(cfg, shape, T, seq):
 
 
 def engine_rows(cfg, shape, seq):
-    """An engine (scalerl.make_engine): the body dtype, an untied FP32 head in fp32; the KV cache it allocates for
+    """An engine (infra.run.make_engine): the body dtype, an untied FP32 head in fp32; the KV cache it allocates for
     --slots full-length sequences (TorchEngine's SlotCache; VLLMEngine's kv_cache_memory_bytes, 128 more each)."""
     P, _, _, b, hb = sizes(cfg, shape)
     kv_len = seq + 1 + 128 * (cfg.engine == "vllm")
@@ -89,11 +89,11 @@ def engine_rows(cfg, shape, seq):
 
 
 def sync_rows(cfg, shape, world):
-    """Weight-sync buffers as built. In one process the engines load the trainer's gathered weights (trainer.gathered,
-    as the engines hold them; an fp32 body is not copied). Under torchrun trainer rank 0 casts the weights into two
+    """Weight-sync buffers as built. In one process the engines load the trainer's weights (trainer.Policy.state, as
+    the engines hold them; an fp32 body is not copied). Under torchrun trainer rank 0 casts the weights into two
     reused --sync_bucket_mb buffers, one in flight while the other is packed, beside one FSDP2-gathered parameter; a
     generator's PyTorch engine receives each bucket straight into its parameters, vLLM (and a PPO-off-policy version
-    that is not loaded) into one reused bucket buffer (pipeline_rl.receive_weights)."""
+    that is not loaded) into one reused bucket buffer (infra.dist.receive_weights)."""
     P, _, _, b, _ = sizes(cfg, shape)
     model = engine_rows(cfg, shape, 0)["engine weights"]
     if world == 1:
@@ -143,6 +143,7 @@ def memory_lines(cfg, shape, world, T, seq, flight):
             f"{(totals[c] if r == 'total' else rows[r]) / u:>15.1f}" if r in rows or r == "total" else f"{'-':>15}"
             for c, rows in cols.items()))
     kv = cols[list(cols)[-1]]["KV cache"]
+    one_bucket = cfg.engine == "vllm" or cfg.off_policy == "ppo"
     return out + [
         "    verdict".ljust(40) + "".join(f"{'fits' if f else 'does not fit':>15}" for f in fits),
         f"  * counted (--act_ckpt={ckpt}); micro-batches of {max(cfg.micro_batch_tokens, seq):,} tokens" + (
@@ -153,7 +154,7 @@ def memory_lines(cfg, shape, world, T, seq, flight):
             f"{flight}\n    completions in flight; vLLM pages the cache, queues the rest" if world > 1 and
             cfg.engine == "vllm" else f"each engine allocates --slots={cfg.slots}"),
         "  weight sync: " + (f"{cfg.sync_bucket_mb:,} MB buckets, two on trainer 0 (one packed, one in flight); a "
-                              "generator " + ("receives one at a time" if cfg.engine == "vllm" or cfg.off_policy == "ppo"
+                              "generator " + ("receives one at a time" if one_bucket
                                               else "receives them into its engine's parameters")
                               if world > 1 else "the engines load the gathered weights")]
 
@@ -163,7 +164,7 @@ def plan(cfg):
     shape = model_shape(cfg)
     world = cfg.plan_gpus or int(os.environ.get("WORLD_SIZE", 0)) or (1 if cfg.model == "tiny" else 80)
     try:
-        trainers, gens = pipeline_rl.roles(world, cfg.gen_ranks, cfg.gen_share) if world > 1 else ([0], [])
+        trainers, gens = dist.roles(world, cfg.gen_ranks, cfg.gen_share) if world > 1 else ([0], [])
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)

@@ -27,9 +27,11 @@ import pytest
 import torch
 
 from conftest import ENV, ROOT, read_jsonl, torchrun_command as torchrun  # also puts the project root on sys.path
-import pipeline_rl
+import losses
 import scalerl
 import trainer
+from engine import Sample
+from infra import dist
 
 # PYTHONPATH: this file, run by torchrun as a script, imports the project's modules
 ENV = {**ENV, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, ENV.get("PYTHONPATH")]))}
@@ -46,7 +48,7 @@ def runs(tmp_path_factory):
 def test_world_without_trainer_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="--gen_ranks=2 leaves no trainer rank"):
-        pipeline_rl.dist_init(gen_ranks=2)
+        dist.dist_init(gen_ranks=2)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # 2. FSDP2 parity: the same batch through policy_gradient on 1 process and on 2 sharded trainer ranks
@@ -64,16 +66,19 @@ def parity_setup():
         g = []
         for _ in range(3):
             n = rng.randint(4, 18)
-            g.append(pipeline_rl.Sample(gid, gid, prompt, tokens=[rng.randrange(1, VOCAB) for _ in range(n)],
-                                        logprobs=[-rng.uniform(1.5, 4) for _ in range(n)], versions=[0] * n,
-                                        forced=[rng.random() < 0.1 for _ in range(n)], reward=rng.choice([-1., 1.])))
+            g.append(Sample(gid, gid, prompt, tokens=[rng.randrange(1, VOCAB) for _ in range(n)],
+                            logprobs=[-rng.uniform(1.5, 4) for _ in range(n)], versions=[0] * n,
+                            forced=[rng.random() < 0.1 for _ in range(n)], reward=rng.choice([-1., 1.])))
         groups.append(g)
     return cfg, groups
 
 
 def parity_step(policy, cfg, groups, rank=0, world=1):
-    """policy_gradient, then what scalerl's train step does after it: clip, AdamW step."""
-    loss, sums, rmax = trainer.policy_gradient(policy, groups, cfg, 0, rank, world)
+    """policy_gradient, then what trainer.train_step does after it: clip, AdamW step."""
+    samples = [s for g in groups for s in g]
+    adv = losses.group_advantages(torch.tensor([s.reward for s in samples]), torch.tensor([s.group for s in samples]),
+                                  norm=cfg.adv_norm)
+    loss, sums, rmax = trainer.policy_gradient(policy, samples, adv, cfg, rank, world)
     grads = {n: p.grad.clone() for n, p in policy.named_parameters()}
     gnorm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
@@ -83,21 +88,20 @@ def parity_step(policy, cfg, groups, rank=0, world=1):
 
 def fsdp_worker(out):
     """Run by torchrun with 2 ranks: both train, sharded; rank 0 saves what the test compares."""
-    import torch.distributed as dist
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    d = pipeline_rl.Dist(dist.get_rank(), 2, [0, 1], [], 60.0, {"trainer": dist.group.WORLD})
+    torch.distributed.init_process_group("gloo")
+    d = dist.Dist(torch.distributed.get_rank(), 2, [0, 1], [], 60.0, {"trainer": torch.distributed.group.WORLD})
     cfg, groups = parity_setup()
-    model = scalerl.build_model(cfg, VOCAB)
-    policy = trainer.shard(trainer.Policy(model, 1.0, torch.float32), model.model.layers, d.groups["trainer"])
+    model = trainer.tiny_model(cfg, VOCAB)
+    policy = dist.shard(trainer.Policy(model, 1.0, torch.float32), model.model.layers, d.groups["trainer"])
     r = parity_step(policy, cfg, groups, d.rank, 2)
-    sums, maxes = trainer.reduce_metrics(d, dict(r["sums"], loss=r["loss"]), dict(ratio_max=r["ratio_max"]))
+    sums, maxes = dist.TrainerComm(d).reduce(dict(r["sums"], loss=r["loss"]), dict(ratio_max=r["ratio_max"]))
     grads = {n: g.full_tensor() for n, g in r["grads"].items()}
     res = dict(sums=sums, maxes=maxes, grads=grads, gnorm=r["gnorm"].full_tensor(),
-               params=trainer.full_state_dict(model), sharded=type(next(policy.parameters())).__name__)
+               params=dist.full_state_dict(model), sharded=type(next(policy.parameters())).__name__)
     if d.rank == 0:
         torch.save(res, out)
-    dist.destroy_process_group()
+    torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -115,7 +119,7 @@ def test_fsdp2_two_trainer_ranks_match_one_process(tmp_path):
     two = torch.load(out, weights_only=False)
     assert two["sharded"] == "DTensor"
 
-    model = scalerl.build_model(cfg, VOCAB)
+    model = trainer.tiny_model(cfg, VOCAB)
     one = parity_step(trainer.Policy(model, 1.0, torch.float32), cfg, groups)
     assert two["sums"]["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
     assert two["sums"]["n_tokens"] == one["sums"]["n_tokens"] > 0
@@ -132,6 +136,7 @@ def test_fsdp2_two_trainer_ranks_match_one_process(tmp_path):
     for n, v in model.state_dict().items():  # after clip + AdamW step
         torch.testing.assert_close(two["params"][n], v, rtol=1e-4, atol=1e-5, msg=n)
 
+
 def test_a_batch_without_signal_makes_no_update():
     """With the zero-variance filter off, a batch whose every group has equal rewards reaches the trainer: no AdamW
     step (weight decay alone would move the weights), no optimizer state."""
@@ -139,7 +144,7 @@ def test_a_batch_without_signal_makes_no_update():
     for g in groups:
         for s in g:
             s.reward = g[0].reward
-    model = scalerl.build_model(cfg, VOCAB)
+    model = trainer.tiny_model(cfg, VOCAB)
     policy, before = trainer.Policy(model, 1.0, torch.float32), {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2, weight_decay=0.1)
     stats = trainer.train_step(policy, opt, groups, scalerl.Config(zero_var_filter=False, warmup_steps=0), 5)
@@ -205,7 +210,7 @@ def test_three_ranks_two_fsdp_trainers(runs):
     from safetensors.torch import load_file
     hf = load_file(out / "hf" / "model.safetensors")
     cfg = scalerl.Config(**json.load(open(out / "config.json"))["config"])
-    full = scalerl.build_model(cfg, hf["model.embed_tokens.weight"].shape[0]).state_dict()
+    full = trainer.tiny_model(cfg, hf["model.embed_tokens.weight"].shape[0]).state_dict()
     assert {k: v.shape for k, v in hf.items()} == {k: v.shape for k, v in full.items()}
 
 # ---------------------------------------------------------------------------------------------------------------------

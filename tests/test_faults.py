@@ -22,7 +22,6 @@ import pytest
 import torch
 
 import scalerl
-import trainer
 from conftest import ENV, ROOT, one_line_error, read_jsonl, run_command, scalerl_command, torchrun_command
 
 pytestmark = pytest.mark.slow
@@ -102,14 +101,14 @@ def test_full_disk_injected(base, monkeypatch, capsys):
         with open(path, "wb") as f:
             f.write(b"partial")
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(trainer.torch, "save", full)
+    monkeypatch.setattr(torch, "save", full)
     with pytest.raises(SystemExit) as e:
         scalerl.main(scalerl.parse_args(["--config", "smoke", "--threads=1", f"--out_dir={out}", "--resume",
                                          "--max_steps=4"]))
     assert e.value.code == 2
     assert f"cannot write {out / 'ckpt.pt'}: no space left" in capsys.readouterr().err
     assert (out / "ckpt.pt").read_bytes() == before and not (out / "ckpt.pt.tmp").exists()
-    monkeypatch.setattr(trainer.torch, "save", real_save)
+    monkeypatch.setattr(torch, "save", real_save)
 
 
 def wait_for_steps(out, n, proc, timeout=120):
@@ -184,6 +183,7 @@ def test_torchrun_generator_write_fails_cleanly(base):
     p = run_command(cmd, env={"OMP_NUM_THREADS": "1"}, timeout=300)
     assert p.returncode != 0
     assert f"generator rank 2 cannot write {out / 'generator2.pt'}" in p.stderr, p.stderr[-3000:]
-    for module in ("scalerl.py", "pipeline_rl.py", "trainer.py"):  # no traceback through our code (torchrun's agent
-        assert f'{module}", line' not in p.stderr, p.stderr[-3000:]  # prints its own summary of the failed worker)
+    # no traceback through our code (torchrun's agent prints its own summary of the failed worker)
+    for module in ("scalerl.py", "pipeline_rl.py", "trainer.py", "infra/dist.py", "infra/run.py", "infra/rundir.py"):
+        assert f'{module}", line' not in p.stderr, p.stderr[-3000:]
     assert not (out / "generator2.pt.tmp").exists()

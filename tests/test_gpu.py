@@ -11,10 +11,11 @@ import pytest
 import torch
 
 import losses
-import pipeline_rl
 import scalerl
 import trainer
 from conftest import read_jsonl, run_command, scalerl_command
+from engine import Sample
+from infra import dist
 from test_pipeline import engine, templates, tiny_model, update_through_the_link
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -33,7 +34,7 @@ def gpu_mismatch(head_dtype):
                for s in g]
     ids, att, tmask, gen_logp = (t.cuda() for t in trainer.rollout_tensors(samples, 0))
     policy = trainer.Policy(m, 1.0, head_dtype)
-    trainer.shard(policy, m.model.layers, pipeline_rl.local_group(), torch.bfloat16)
+    dist.shard(policy, m.model.layers, dist.local_group(), torch.bfloat16)
     with torch.no_grad():
         return (policy(ids, att) - gen_logp)[tmask.bool()].abs().mean().item()
 
@@ -61,21 +62,21 @@ def test_one_fsdp2_rank_over_nccl_trains_a_bf16_qwen3_step():
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                                       tie_word_embeddings=False)).cuda()
     lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
-    policy = trainer.shard(trainer.Policy(lm, 1.0, torch.float32), lm.model.layers, pipeline_rl.local_group(),
-                           torch.bfloat16)
-    before = {k: v.clone() for k, v in trainer.full_state_dict(lm).items()}  # (one rank: views of the shards)
+    policy = dist.shard(trainer.Policy(lm, 1.0, torch.float32, 0, torch.bfloat16), lm.model.layers,
+                        dist.local_group(), torch.bfloat16)
+    before = {k: v.clone() for k, v in dist.full_state_dict(lm).items()}  # (one rank: views of the shards)
     gen = torch.Generator().manual_seed(0)
-    groups = [[pipeline_rl.Sample(g, g, [5, 6, 7], tokens=torch.randint(8, 4096, (40,), generator=gen).tolist(),
-                                  logprobs=[-8.3] * 40, versions=[0] * 40, forced=[False] * 40, reward=float(i % 2))
+    groups = [[Sample(g, g, [5, 6, 7], tokens=torch.randint(8, 4096, (40,), generator=gen).tolist(),
+                      logprobs=[-8.3] * 40, versions=[0] * 40, forced=[False] * 40, reward=float(i % 2))
                for i in range(4)] for g in range(4)]
     cfg = scalerl.Config(lr=1e-3, warmup_steps=0)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
     stats = trainer.train_step(policy, opt, groups, cfg, 0)
     assert stats["finite"] and stats["n_tokens"] == 16 * 40
-    weights = trainer.policy_weights(policy, torch.bfloat16)
+    weights = policy.state()
     assert weights["model.layers.0.mlp.up_proj.weight"].dtype == torch.bfloat16
     assert weights["lm_head.weight"].dtype == torch.float32  # the FP32 head
-    after = trainer.full_state_dict(lm)
+    after = dist.full_state_dict(lm)
     assert all(v.dtype == torch.float32 for v in after.values())
     assert any((after[k] - before[k]).abs().max() > 0 for k in before)
 

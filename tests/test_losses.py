@@ -90,9 +90,9 @@ def test_group_advantages_edge_cases():
     # a single live group of two: batch-normalised to +-1/sqrt(2) (unbiased std of [0.5, -0.5] is sqrt(0.5))
     torch.testing.assert_close(group_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 0])),
                                torch.tensor([0.5, -0.5]) / math.sqrt(0.5))
-    with pytest.raises(ValueError, match="'batch', 'prompt', 'none'"):
+    with pytest.raises(AssertionError, match="group"):
         group_advantages(same, g, "group")
-    with pytest.raises(ValueError, match=r"\(B,\)"):
+    with pytest.raises(AssertionError, match=r"\(B,\)"):
         group_advantages(same, g[:3])
 
 
@@ -250,7 +250,7 @@ def test_empty_completions_and_prompts_are_not_counted():
     assert aggregate(per_token, mask, group, "token").item() == pytest.approx(3.0)
     nothing = torch.zeros(2, 3, dtype=torch.bool)
     assert aggregate(torch.ones(2, 3), nothing, torch.tensor([0, 1])).item() == 0.0
-    with pytest.raises(ValueError, match="'prompt', 'sample', 'token'"):
+    with pytest.raises(AssertionError, match="sequence"):
         aggregate(per_token, mask, group, "sequence")
 
 
@@ -332,9 +332,9 @@ def test_policy_loss_matches_aggregate_and_paper_defaults():
                         "grpo": {"eps_low": 0.2, "eps_high": 0.2}, "gspo": {"eps_low": 3e-3, "eps_high": 5e-3}}
     a, _ = policy_loss(logp, gen_logp, adv, mask, w, eps_max=1.0)  # kw reaches the loss
     torch.testing.assert_close(a, aggregate(cispo(logp, gen_logp, adv, 1.0), mask, group, "sample"))
-    with pytest.raises(ValueError, match=r"\['cispo', 'dapo', 'grpo', 'gspo'\]"):
+    with pytest.raises(AssertionError, match="ppo"):
         policy_loss(logp, gen_logp, adv, mask, w, loss="ppo")
-    with pytest.raises(ValueError, match="eps_max"):
+    with pytest.raises(AssertionError, match="eps_max"):
         policy_loss(logp, gen_logp, adv, mask, w, loss="cispo", eps_high=0.3)
 
 
@@ -429,13 +429,13 @@ def test_token_logprobs_bf16_is_float32():
 
 def test_token_logprobs_errors():
     h, w = torch.randn(1, 2, 4), torch.randn(5, 4)
-    with pytest.raises(ValueError, match=r"\[0, 5\)"):
+    with pytest.raises(AssertionError, match=r"\[0, 5\)"):
         token_logprobs(h, w, torch.tensor([[0, 5]]))
-    with pytest.raises(ValueError, match="integer"):
+    with pytest.raises(AssertionError, match="integer"):
         token_logprobs(h, w, torch.zeros(1, 2))
-    with pytest.raises(ValueError, match="head_weight"):
+    with pytest.raises(AssertionError, match="head_weight"):
         token_logprobs(h, torch.randn(5, 3), torch.zeros(1, 2, dtype=torch.long))
-    with pytest.raises(ValueError, match="chunk"):
+    with pytest.raises(AssertionError, match="chunk"):
         token_logprobs(h, w, torch.zeros(1, 2, dtype=torch.long), chunk=0)
 
 

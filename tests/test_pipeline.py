@@ -1,7 +1,7 @@
 """Invariants of the generating side: logprobs, versions, forced tokens, lag bound, k=0 == synchronous.
 
 Real components: a small `transformers` Llama, the PyTorch engine, and for the scheduler tests the whole generating
-side of one process (scalerl.make_engine, pipeline_rl.Rollouts on the built-in arithmetic task, the Scheduler).
+side of one process (infra.run.make_engine, pipeline_rl.Rollouts on the built-in arithmetic task, the Scheduler).
 Run: python -m pytest tests/test_pipeline.py
 """
 import copy
@@ -17,6 +17,8 @@ import pipeline_rl
 import scalerl
 import trainer
 from engine import Sample, TorchEngine, slot_attention
+from infra import dist
+from infra.run import make_engine
 
 EOS, CLOSE, PHRASE = 1, 4, [7, 8, 9, 4]  # token ids: end of sequence, </think>, the interruption phrase
 
@@ -61,7 +63,7 @@ def test_behaviour_logprobs_match_trainer_fp32():
 
 def bf16_rollouts(head_dtype=torch.float32, vocab=512):
     """A model with confident logits (magnitude ~10, as trained: bf16 rounding then bites) and 32 completions from
-    an engine holding its parameters in bf16 (an untied FP32 head in fp32), as scalerl.make_engine builds it."""
+    an engine holding its parameters in bf16 (an untied FP32 head in fp32), as infra.run.make_engine builds it."""
     m = tiny_model(vocab=vocab)
     with torch.no_grad():
         m.lm_head.weight *= 40
@@ -78,7 +80,7 @@ def test_mixed_precision_trainer_computes_the_body_as_the_generator_holds_it():
     forward; fp32 master weights under autocast do not (fp32 residual stream), and sit further from the generator."""
     m, (ids, att, tmask, gen_logp) = bf16_rollouts()
     policy = trainer.Policy(copy.deepcopy(m), 1.0, torch.float32)
-    trainer.shard(policy, policy.lm.model.layers, pipeline_rl.local_group(), torch.bfloat16)
+    dist.shard(policy, policy.lm.model.layers, dist.local_group(), torch.bfloat16)
     assert all(p.dtype == torch.float32 for p in policy.parameters())  # the masters stay fp32
     pure = copy.deepcopy(m)
     for p in pure.model.parameters():
@@ -182,12 +184,13 @@ def rollouts(model, seed=0):
     """One process's generating side, as scalerl.main builds it: an engine from a Config (its own copy of `model`),
     the curriculum over the built-in arithmetic task, prompts through the tokenizer, rewards from the verifier."""
     cfg = scalerl.Config(slots=6, think_min=8, think_max=12, answer_budget=5, max_prompt=64)
-    return pipeline_rl.Rollouts(scalerl.make_engine(cfg, model, TOK, seed), data.PromptPool(PROBLEMS, seed=seed), TOK,
+    return pipeline_rl.Rollouts(make_engine(cfg, model, TOK, seed), pipeline_rl.PromptPool(PROBLEMS, seed=seed), TOK,
                                 cfg.max_prompt)
 
 
 def run_scheduler(mode, k, steps=6, B=3, G=2, decode_per_step=4):
     learner = tiny_model(vocab=len(TOK))  # the trainer's weights
+    policy = trainer.Policy(learner, 1.0)
     sched = pipeline_rl.Scheduler(rollouts(learner), mode=mode, k=k, batch_prompts=B, group_size=G,
                                   decode_per_step=decode_per_step)
     batches, lags = [], []
@@ -202,7 +205,7 @@ def run_scheduler(mode, k, steps=6, B=3, G=2, decode_per_step=4):
         assert batch.lag_max <= lags[-1] and 0 <= batch.lag_mean <= batch.lag_max <= k
         batches.append(groups)
         perturb(learner, step)
-        sched.push_weights(learner.state_dict())
+        sched.push_weights(policy)
     return batches, lags, sched
 
 
@@ -272,10 +275,11 @@ def test_shared_forwards_keep_logprobs_exact(monkeypatch):
 
 
 def test_bad_scheduler_settings_are_refused():
+    """An invariant inside; the user's message is infra.cli.validate's (tests/test_scalerl.py)."""
     side = rollouts(tiny_model(vocab=len(TOK)))
-    with pytest.raises(ValueError, match="k >= 1"):
+    with pytest.raises(AssertionError):
         pipeline_rl.Scheduler(side, mode="ppo", k=0, batch_prompts=1, group_size=2)
-    with pytest.raises(ValueError, match="unknown"):
+    with pytest.raises(AssertionError):
         pipeline_rl.Scheduler(side, mode="async", k=1, batch_prompts=1, group_size=2)
 
 
@@ -305,20 +309,20 @@ def update_through_the_link(device):
     for n, p in other.named_parameters():
         p.data = p.data.to(torch.float32 if n == "lm_head.weight" else torch.bfloat16)
     eng = engine(other, slots=16, head_dtype=torch.float32, think=(20, 24))
-    policy = trainer.Policy(m, 1.0, torch.float32)
-    trainer.shard(policy, m.model.layers, pipeline_rl.local_group(), torch.bfloat16)
-    job = pipeline_rl.Dist(groups={"weights": pipeline_rl.local_group()}, store=torch.distributed.HashStore())
-    link = pipeline_rl.TrainerLink(job, k=1, batch_prompts=1, bucket_bytes=1 << 30)  # two buckets: body, head
-    link.push_weights(trainer.weight_parts(policy, torch.bfloat16))
+    policy = trainer.Policy(m, 1.0, torch.float32, 0, torch.bfloat16)
+    dist.shard(policy, m.model.layers, dist.local_group(), torch.bfloat16)
+    job = dist.Dist(groups={"weights": dist.local_group()}, store=torch.distributed.HashStore())
+    link = dist.TrainerLink(job, k=1, batch_prompts=1, bucket_bytes=1 << 30)  # two buckets: body, head
+    link.push_weights(policy)
     link._land()
-    runs = list(pipeline_rl.buckets(((n, p, p.dtype) for n, p in eng.model.named_parameters()), 1 << 30))
+    runs = list(dist.buckets(((n, p, p.dtype) for n, p in eng.model.named_parameters()), 1 << 30))
     assert [r[0][2] for r in runs] == [torch.bfloat16, torch.float32] and len(link.staging.bufs) == 2
     for i, run in enumerate(runs):
         sent = link.staging(i, run, torch.device(device))
         assert sent.device.type == torch.device(device).type
         eng.landing(run).copy_(sent)  # the wire
     eng.version = 1
-    want = dict(trainer.gathered(policy, torch.bfloat16))
+    want = policy.state()
     for n, p in eng.model.named_parameters():  # every parameter arrived, cast as the export casts it
         assert torch.equal(p, want[n]), n
     samples = [s for g in eng.generate(templates(8), 4) for s in g]
@@ -333,13 +337,13 @@ def test_a_tensor_larger_than_a_bucket_is_sent_from_a_copy():
     changes the parameter while the broadcast may still be in flight."""
     m = tiny_model(vocab=512)
     policy = trainer.Policy(m, 1.0, torch.float32)
-    job = pipeline_rl.Dist(groups={"weights": pipeline_rl.local_group()}, store=torch.distributed.HashStore())
-    link = pipeline_rl.TrainerLink(job, k=1, batch_prompts=1, bucket_bytes=1 << 10)  # 1 KB: every matrix over it
+    job = dist.Dist(groups={"weights": dist.local_group()}, store=torch.distributed.HashStore())
+    link = dist.TrainerLink(job, k=1, batch_prompts=1, bucket_bytes=1 << 10)  # 1 KB: every matrix over it
     sent = []
     broadcast = torch.distributed.broadcast
     try:
         torch.distributed.broadcast = lambda t, **kw: (sent.append(t), broadcast(t, **kw))[1]
-        link.push_weights(trainer.weight_parts(policy, torch.float32))
+        link.push_weights(policy)
         link._land()
     finally:
         torch.distributed.broadcast = broadcast
@@ -350,24 +354,26 @@ def test_a_tensor_larger_than_a_bucket_is_sent_from_a_copy():
 def test_a_weight_update_through_the_link_lands_in_the_engines_parameters():
     assert update_through_the_link("cpu") < 0.02  # bf16 body: the engine's decode against the trainer's forward
 
+
 @pytest.mark.parametrize("dtype, fp32_head", [("bfloat16", True), ("bfloat16", False), ("float32", True)])
 def test_weight_buckets_agree_between_trainer_and_generator(dtype, fp32_head):
-    """Under torchrun trainer rank 0 packs the weights (cast while copied) into buckets and every generator rank forms the same
-    buckets from its engine's parameters: the same names, shapes, dtypes and sizes, in the same order."""
+    """Under torchrun trainer rank 0 packs the weights (cast while copied) into buckets and every generator rank forms
+    the same buckets from its engine's parameters: the same names, shapes, dtypes and sizes, in the same order."""
     cfg = scalerl.Config(dtype=dtype, fp32_head=fp32_head)
     tok = data.char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=")
-    model = scalerl.build_model(cfg, len(tok))
-    engine = scalerl.make_engine(cfg, model, tok, 0)
-    policy = trainer.Policy(model, 1.0, torch.float32 if fp32_head else getattr(torch, dtype))
+    model = trainer.tiny_model(cfg, len(tok))
+    engine = make_engine(cfg, model, tok, 0)
+    body = getattr(torch, dtype)
+    policy = trainer.Policy(model, 1.0, torch.float32 if fp32_head else body, 0, body)
     limit = 64 << 10  # 64 KB: many buckets for the 0.87M-parameter model
 
     def layout(named):
-        return [[(n, tuple(t.shape), d) for n, t, d in run] for run in pipeline_rl.buckets(named, limit)]
-    sent = layout(trainer.weight_parts(policy, getattr(torch, dtype)))
+        return [[(n, tuple(t.shape), d) for n, t, d in run] for run in dist.buckets(named, limit)]
+    sent = layout(policy.weights())
     spec = layout((n, p, p.dtype) for n, p in engine.model.named_parameters())
     assert sent == spec and len(sent) >= 5  # a bucket per decoder layer at least
     assert {d for run in sent for *_, d in run} == ({torch.bfloat16, torch.float32} if dtype == "bfloat16" and fp32_head
-                                                    else {getattr(torch, dtype)})
+                                                    else {body})
     layer = lambda n: n.split(".")[2] if ".layers." in n else n  # noqa: E731
     for run, nxt in zip(sent, sent[1:]):  # a decoder layer is never split between buckets
         assert layer(run[-1][0]) != layer(nxt[0][0]) or run[-1][2] != nxt[0][2]

@@ -65,9 +65,9 @@ def poison(monkeypatch, steps, what):
     real, seen = trainer.policy_gradient, []
     alternate_rewards(monkeypatch)
 
-    def wrapped(policy, groups, *a, **kw):
+    def wrapped(policy, samples, *a, **kw):
         seen.append({k: v.detach().clone() for k, v in policy.lm.state_dict().items()})
-        loss, sums, ratio_max = real(policy, groups, *a, **kw)
+        loss, sums, ratio_max = real(policy, samples, *a, **kw)
         if len(seen) in steps:
             if what == "loss":
                 loss = float("nan")
@@ -114,6 +114,7 @@ def test_nonfinite_in_a_row_stops_with_last_good_checkpoint(base, monkeypatch, c
     train = [r for r in read_jsonl(out / "metrics.jsonl") if "pass_rate" not in r]
     assert [(r["step"], r["skipped_nonfinite"]) for r in train] == [(1, 0), (2, 1), (3, 1), (4, 0)]
 
+
 def test_bf16_mixed_precision_run_resumes_its_fp32_masters_and_adam(base, monkeypatch):
     """--dtype=bfloat16 in one process: FSDP2 mixed precision over a group of one; ckpt.pt holds fp32 masters and the
     full AdamW state, and a resumed run continues Adam's step count."""
@@ -133,7 +134,7 @@ def test_bf16_mixed_precision_run_resumes_its_fp32_masters_and_adam(base, monkey
 
 def test_reward_errors_are_counted_not_fatal(base, monkeypatch, capsys):
     out = base / "bad_reward"
-    real_reward, real_record, raised, recorded = data.reward, data.PromptPool.record, [], []
+    real_reward, real_record, raised, recorded = data.reward, pipeline_rl.PromptPool.record, [], []
 
     def flaky(problem, completion, **kw):
         if problem.id % 3 == 0:
@@ -145,7 +146,7 @@ def test_reward_errors_are_counted_not_fatal(base, monkeypatch, capsys):
         recorded.append((prompt_id, list(rewards)))
         return real_record(pool, prompt_id, rewards)
     monkeypatch.setattr(data, "reward", flaky)
-    monkeypatch.setattr(data.PromptPool, "record", record)
+    monkeypatch.setattr(pipeline_rl.PromptPool, "record", record)
     main_smoke(out)
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows if "pass_rate" not in r] == [1, 2, 3, 4]  # the run finished
@@ -190,9 +191,9 @@ def test_prompts_that_cannot_be_built_are_skipped_and_counted(base, monkeypatch,
 # 3. Bad invocations against an existing run directory
 
 BAD_RUNS = [  # (name, run dir to use, extra argv, text the error line must contain)
-    ("unknown preset", "run", ["--config=nope"], "unknown preset"),
+    ("unknown preset", "run", ["--config=nope"], "--config: invalid choice: 'nope'"),
     ("unknown key", "run", ["--max_step=5"], "did you mean --max_steps"),
-    ("wrong type", "run", ["--max_steps=abc"], "not a valid int"),
+    ("wrong type", "run", ["--max_steps=abc"], "--max_steps: invalid int value"),
     ("float for int", "run", ["--batch_prompts=2.5"], "--batch_prompts"),
     ("zero batch", "run", ["--batch_prompts=0"], "must be positive"),
     ("zero group", "run", ["--group_size=0"], "--group_size"),

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import scalerl
+import trainer
 from infra import cli
 from conftest import TIMING, one_line_error, read_jsonl, run_command, scalerl_command, tree_hashes
 
@@ -238,7 +239,7 @@ def test_smoke_run_metrics(smoke_run):
     ck = torch.load(out / "ckpt.pt", weights_only=True)
     assert {"model", "opt", "generating", "step"} <= set(ck) and ck["step"] == cfg.max_steps
     vocab = ck["model"]["model.embed_tokens.weight"].shape[0]
-    model = scalerl.build_model(cfg, vocab)
+    model = trainer.tiny_model(cfg, vocab)
     model.load_state_dict(ck["model"])  # strict: the same architecture as the config says
     torch.optim.AdamW(model.parameters()).load_state_dict(ck["opt"])
     gen = ck["generating"]  # one process: the generating side's state (pipeline_rl.Rollouts.state_dict)

@@ -280,6 +280,27 @@ def test_analyze_report(tmp_path):
         sf.analyze([str(tmp_path / "p.csv")])
 
 
+@pytest.mark.parametrize("lo, hi", [(1e-3, 1e-1), (0.012, 0.05), (0.0021, 0.0068), (0.0012, 0.0022), (1500, 1e5)])
+def test_plot_compute_labels_do_not_overlap(tmp_path, lo, hi):
+    """Runs over two decades, about one (matplotlib's default labels every minor tick there: 2x10^-2 3x10^-2 4x10^-2
+    ... run into each other), less than one with no decade in view, and GPU-hours: at least two compute labels in
+    view, their boxes disjoint."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    C = np.linspace(lo, hi, 30)
+    R = sigmoid(C, 0.6, 1.7, np.sqrt(lo * hi), R0) + np.random.default_rng(0).normal(0, 0.003, C.size)
+    fig = sf.plot_runs([dict(label="run", C=C, R=R, R0=R0)], str(tmp_path / "curve.png"), power_law=True,
+                       fit_until=C[18])
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    ax = fig.axes[0]
+    x0, x1 = ax.get_window_extent(renderer).intervalx
+    boxes = [t.get_window_extent(renderer) for t in ax.xaxis.get_ticklabels(which="both") if t.get_text()]
+    # The labels of the ticks in view.
+    boxes = [b for b in boxes if x0 - 1 <= (b.x0 + b.x1) / 2 <= x1 + 1]
+    assert len(boxes) >= 2
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+
+
 def run_cli(*args):
     env = dict(os.environ, MPLBACKEND="Agg")
     return subprocess.run([sys.executable, os.path.join(ROOT, "sigmoid_fit.py"), *args], capture_output=True,
