@@ -33,18 +33,22 @@ B_BOUNDS = (0.05, 20.0)
 MIN_POINTS = 4
 NOISE_MARGIN = 0.02
 
+
 class TooFewPoints(ValueError):
     """Fewer than MIN_POINTS points in the fit window: a report on several runs notes the run and fits the rest."""
+
 
 def _check(ok, message, error=ValueError):
     if not ok:
         raise error(message)
+
 
 def sigmoid(C, A, B, C_mid, R0):
     """The paper's curve, as R0 + (A - R0) * expit(B * (log C - log C_mid)): no overflow, and R0 at C = 0."""
     with np.errstate(divide="ignore", invalid="ignore"):
         logc = np.log(np.asarray(C, dtype=float))
     return R0 + (A - R0) * expit(B * (logc - np.log(C_mid)))
+
 
 @dataclass
 class SigmoidFit:
@@ -64,6 +68,7 @@ class SigmoidFit:
     def predict(self, C):
         return sigmoid(C, self.A, self.B, self.C_mid, self.R0)
 
+
 @dataclass
 class PowerLawFit:
     A: float
@@ -77,6 +82,7 @@ class PowerLawFit:
     def predict(self, C):
         return self.A - self.D / np.asarray(C, dtype=float) ** self.B
 
+
 def _window(C, R, c_min, c_max):
     C, R = np.asarray(C, dtype=float).ravel(), np.asarray(R, dtype=float).ravel()
     _check(C.shape == R.shape and np.all(np.isfinite(C)) and np.all(np.isfinite(R)),
@@ -85,6 +91,7 @@ def _window(C, R, c_min, c_max):
     _check(keep.sum() >= MIN_POINTS, f"need at least {MIN_POINTS} points with compute > 0 in the fit window, got "
            f"{keep.sum()}", TooFewPoints)
     return C[keep], R[keep]
+
 
 def _best_b(A, logcm, logc, R, R0, n_grid=25, n_golden=20):
     """Least-squares B in every (A, C_mid) cell at once: a coarse log-grid of B brackets the minimum, golden-section
@@ -107,12 +114,14 @@ def _best_b(A, logcm, logc, R, R0, n_grid=25, n_golden=20):
         x1, x2, f1, f2 = np.where(left, [xn, x1, fn, f1], [x2, xn, f2, fn])
     return np.exp(np.where(f1 < f2, x1, x2)), np.minimum(f1, f2)
 
+
 def _grid_search(a_vals, logcm_vals, logc, R, R0):
     """Every (A, C_mid) pair of the two grids; returns (A, B, log C_mid, sse) of the best cell."""
     A, L = (m.ravel() for m in np.meshgrid(a_vals, logcm_vals, indexing="ij"))
     B, sse = _best_b(A, L, logc, R, R0)
     i = sse.argmin()
     return A[i], B[i], L[i], sse[i]
+
 
 def fit_sigmoid(C, R, R0, c_min=None, c_max=None, method="grid", paper_grid=False, n_boot=100, seed=0, fix_A=None):
     """Fit A, B, C_mid with R0 fixed on the points with C > 0 in [c_min, c_max] (choices 1, 2); method="curve_fit"
@@ -170,6 +179,7 @@ def fit_sigmoid(C, R, R0, c_min=None, c_max=None, method="grid", paper_grid=Fals
         fit.A_std, fit.A_ci = float(np.std(a)), (float(np.percentile(a, 5)), float(np.percentile(a, 95)))
     return fit
 
+
 def fit_power_law(C, R, c_min=None, c_max=None):
     """R = A - D / C**B with A <= 1 (choice 5): for a fixed B, (A, D) by linear least squares; B on a log-grid, then
     refined between the best value's grid neighbours."""
@@ -189,6 +199,7 @@ def fit_power_law(C, R, c_min=None, c_max=None):
     return PowerLawFit(float(A), float(D), B, sse, float(np.sqrt(sse / len(C))), (float(C.min()), float(C.max())),
                        len(C))
 
+
 @dataclass
 class ExtrapolationCheck:
     """Errors on the points after the fit window; final_err is signed: prediction minus measurement."""
@@ -198,6 +209,7 @@ class ExtrapolationCheck:
     final_err: float
     n_fit: int
     n_test: int
+
 
 def extrapolation_check(C, R, R0, fit_fraction=0.5, fit_until=None, **fit_kw):
     """Fit on C <= fit_until (default: fit_fraction of the budget, the paper's half), measure the error of the
@@ -211,6 +223,7 @@ def extrapolation_check(C, R, R0, fit_fraction=0.5, fit_until=None, **fit_kw):
     return ExtrapolationCheck(fit, float(np.abs(err).max()), float(np.abs(err).mean()), float(err[-1]),
                               fit.n_points, int(test.sum()))
 
+
 def slope_transform(C, R, A, R0):
     """(log C, log((R - R0) / (A - R))): on the fitted curve a line of slope B crossing 0 at log C_mid (Fig. 7).
     NaN where R is not strictly between R0 and A."""
@@ -218,6 +231,7 @@ def slope_transform(C, R, A, R0):
     ok = (C > 0) & (R > R0) & (R < A)
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(C > 0, np.log(C), np.nan), np.where(ok, np.log((R - R0) / (A - R)), np.nan)
+
 
 def plot_runs(runs, path, power_law=False, fit_until=None, xlabel="compute (device-hours)"):
     """Pass rate against log compute for several runs, saved to path; returns the figure. runs: dicts with label, C,
@@ -260,12 +274,14 @@ def plot_runs(runs, path, power_law=False, fit_until=None, xlabel="compute (devi
     fig.savefig(path, dpi=120)
     return fig
 
+
 def _log_lines(path):
     """(path, its non-blank lines as (line number, text)); a run directory means its metrics.jsonl."""
     path = os.path.join(path, "metrics.jsonl") if os.path.isdir(path) else path
     _check(os.path.isfile(path), f"{path}: no such file (expected a metrics.jsonl, a run directory or a CSV)")
     with open(path) as f:
         return path, [(i + 1, s) for i, s in enumerate(f) if s.strip()]
+
 
 def _jsonl_rows(path, lines, strict=True):
     """(line number, row) of a metrics.jsonl. strict: a bad line is an error, but a torn last line (a run killed
@@ -280,11 +296,13 @@ def _jsonl_rows(path, lines, strict=True):
             continue
         yield n, row
 
+
 def _is_number(cell):
     try:
         return float(cell) is not None
     except ValueError:
         return False
+
 
 def _csv_rows(path, lines, compute_key, metric_key):
     """(line number, compute, metric) of a CSV, columns by the header's names; headerless (a first row of numbers):
@@ -314,6 +332,7 @@ def _csv_rows(path, lines, compute_key, metric_key):
                f"{path}:{n}: expected {want}, got {','.join(cells)!r}")
         yield n, float(cells[cols[0]]), float(cells[cols[1]])
 
+
 def read_points(path, compute_key="device_hours", metric_key="pass_rate"):
     """(C, R, r0_guess) from a metrics.jsonl (eval rows: those holding metric_key) or a CSV. Only points with C > 0
     are returned; r0_guess is R at compute 0 (None if absent)."""
@@ -337,10 +356,12 @@ def read_points(path, compute_key="device_hours", metric_key="pass_rate"):
     r0 = float(R[C == 0][0]) if np.any(C == 0) else None
     return C[C > 0], R[C > 0], r0
 
+
 def per_task_metrics(path):
     """The `pass_rate_<task>` columns of a run's metrics.jsonl, in order of first appearance."""
     rows = [row for _, row in _jsonl_rows(*_log_lines(path), strict=False) if isinstance(row, dict)]
     return list(dict.fromkeys(k for row in rows for k in row if k.startswith("pass_rate_")))
+
 
 def analyze(paths, plot=None, fit_until=None, c_min=None, r0=None, power_law=False, metric_key="pass_rate",
             compute_key="device_hours"):
@@ -393,6 +414,7 @@ def analyze(paths, plot=None, fit_until=None, c_min=None, r0=None, power_law=Fal
         out.append(f"\nwrote {plot}")
     return "\n".join(out)
 
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Fit the ScaleRL compute-performance sigmoid to run logs.")
     ap.add_argument("paths", nargs="+", help="metrics.jsonl, run directory or CSV (headerless: compute,pass_rate)")
@@ -418,6 +440,7 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -23,6 +23,7 @@ import torch
 import data
 import losses
 
+
 def sequence_batch(seqs, starts, pad_id):
     """Right-padded (N, L) ids, (N, L) attention mask, and the (N, L-1) mask of trainable target positions."""
     L = max(len(s) for s in seqs)

@@ -3,7 +3,7 @@
 Needs vLLM (pip install -r requirements-vllm.txt); every test is skipped where it is not installed. The model is the
 tiny default (trainer.tiny_model, character tokenizer) after a short warm start, so its next-token distributions are
 peaked as in training. Each engine starts in a few seconds after a ~10 s import of vllm.
-Run: python -m pytest tests/test_vllm.py -q      (the two slow tests run scalerl.py with --engine vllm: minutes)
+Run: python -m pytest tests/test_vllm.py -q      (the three slow tests run scalerl.py with --engine vllm: minutes)
 """
 from dataclasses import replace
 from functools import partialmethod
