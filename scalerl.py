@@ -215,7 +215,7 @@ def main(cfg):
         log.begin(source)
         # B groups, scored; the kept ones passed the zero-variance filter (Sec. 3.2)
         batch = source.next_batch()
-        with log.timer("train_s"):
+        with log.timer("training"):
             stats = trainer.train_step(policy, opt, batch.kept, cfg, step, comm)
         # in flight to the engine(s) (PipelineRL-k), or every k steps (PPO-off-policy-k)
         with log.timer("sync_s"):

@@ -342,11 +342,10 @@ class Log:
 
     def step(self, step, batch, stats, source, bad_run):
         """The clock advanced; on rank 0 the step's row logged (keys in the README's glossary) and its progress line."""
-        cfg, dt, t_train = self.cfg, time.time() - self.t0, self.timers["train_s"]
+        cfg, dt, t_train = self.cfg, time.time() - self.t0, self.timers["training"]
         # the compute axis counts every device; CPU time of this process is immune to a busy machine
         self.clock["device_hours"] += dt * self.job.world / 3600
         self.clock["cpu_hours"] += (time.process_time() - self.c0) / 3600
-        self.took["training"] += t_train
         if self.job.rank != 0:
             return ""
         gen, samples = source.totals(), [s for g in batch.groups for s in g]
