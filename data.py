@@ -1,14 +1,10 @@
 """Problems, the prompt format, the built-in tasks and the reward contract for scalerl. No project imports.
 
-A prompt ends with <think>; the model writes its thinking, </think>, then the answer. Datasets, and the checkers that
-need a process or a sandbox (registered in `CHECKERS`), are in infra/sources.py and infra/sandbox.py. Run
-`python data.py` to print a few built-in problems, their prompt and their supervised target.
-
-The paper's choices made here:
+A prompt ends with <think>; the model writes its thinking, </think>, then the answer. Datasets and the checkers that
+need a process or a sandbox (in `CHECKERS`): infra/sources.py, infra/sandbox.py. The paper's choices made here:
 1. Binary reward +1 / -1 from a verifier (Sec. 3.2), read after the thinking trace: math with Math-Verify, code by
    running it against hidden stdin/stdout tests in a sandbox, pass = all pass (App. A.3).
-2. A held-out validation split that never enters training (App. A.3): the built-in tasks split the space of
-   questions by a hash, so no question is on both sides.
+2. A held-out validation split that never enters training (App. A.3): the built-in tasks split questions by a hash.
 3. The forced-interruption phrase (App. A.10) ends with `</think>`, so an interrupted completion still has an answer.
 """
 import concurrent.futures
@@ -39,11 +35,10 @@ class Problem:
 
 def format_prompt(question, tokenizer=None):
     """The prompt text: the tokenizer's chat template when it has one, else PLAIN_TEMPLATE; ends with <think>."""
-    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+    text = PLAIN_TEMPLATE.format(question=question)
+    if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template([{"role": "user", "content": question}],
                                              add_generation_prompt=True, tokenize=False)
-    else:
-        text = PLAIN_TEMPLATE.format(question=question)
     return text if text.rstrip().endswith(THINK_OPEN) else text + THINK_OPEN
 
 
@@ -56,8 +51,7 @@ def char_tokenizer(chars):
     """A character-level `transformers` fast tokenizer with <think>/</think> as single tokens and a chat template."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders, Regex
     from transformers import PreTrainedTokenizerFast
-    specials = ["<pad>", "<eos>", "<unk>", THINK_OPEN, THINK_CLOSE]
-    vocab = {t: i for i, t in enumerate(specials + sorted(set(chars) - set(specials)))}
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>", THINK_OPEN, THINK_CLOSE] + sorted(set(chars)))}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tk.decoder = decoders.Fuse()
@@ -75,7 +69,6 @@ def format_target(problem):
     if problem.task == "arith" and problem.trace:
         answer = problem.trace.rsplit("=", 1)[-1]  # the last running sum
     elif problem.task == "code":
-        # the built-in program prints the trace's last expression
         answer = CODE_HEAD + problem.trace.rsplit(",", 1)[-1] + ")" if problem.trace else ""
     return problem.trace + THINK_CLOSE + answer
 
@@ -87,28 +80,23 @@ def extract_answer(completion):
     return completion.rsplit(THINK_CLOSE, 1)[1].strip()
 
 
-# The built-in arithmetic task: level L is a chain of L+1 single-digit terms, "7+5+9+3"; the thinking keeps a running
-# sum, "7+5=12,12+9=21,21+3=24". A ~1M-parameter character-level model learns it from scratch in minutes; the thinking
-# grows with the level, so the top levels are the ones a length budget interrupts (App. A.10).
-VAL_BUCKETS = 5  # 1 in 5 possible questions is reserved for validation
+# The built-in arithmetic task: level L sums L+1 single-digit terms, "7+5+9+3", thinking "7+5=12,12+9=21,21+3=24"; a
+# ~1M-parameter model learns it in minutes. The thinking grows with the level: a length budget cuts the top (App. A.10).
 ARITH_CHARS = "".join(sorted(set("0123456789+=,\n " + PLAIN_TEMPLATE.replace("{question}", "")
                                  + THINK_OPEN + THINK_CLOSE + INTERRUPT_PHRASE)))
 
 
 def _in_split(question, seed, split):
-    """Whether `question` is on the `split` side ("val", "train"; None: either) of a hash of the space of questions
-    (not of the list of draws, which would put all 100 level-1 questions into a 1,000-prompt validation set)."""
-    return split is None or (zlib.crc32(f"{seed}:{question}".encode()) % VAL_BUCKETS == 0) == (split == "val")
+    """Whether `question` is on the `split` side ("val": 1 in 5; "train"; None: either) of a hash of the question, not
+    of the list of draws (which would put all 100 level-1 questions into a 1,000-prompt validation set)."""
+    return split is None or (zlib.crc32(f"{seed}:{question}".encode()) % 5 == 0) == (split == "val")
 
 
 def arith_problems(n, seed=0, levels=(1, 2, 3, 4, 5), error_rate=0.0, start_id=0, split=None):
-    """n problems with ids start_id..; each is a function of (seed, id) only, levels cycle with the id. error_rate:
-    each step of the trace slips (result off by +-1 or +-10) with this probability and the chain goes on from the
-    wrong sum, so the warm-started model is only partly competent; `answer` is always the true sum."""
-    if not levels or any(not isinstance(L, int) or L < 1 for L in levels):
-        raise ValueError(f"arith levels must be integers >= 1, got {levels!r}")
-    if not 0.0 <= error_rate <= 1.0 or split not in (None, "val", "train"):
-        raise ValueError(f"arith error_rate must be in [0, 1], split None/'val'/'train'; got {error_rate}, {split!r}")
+    """n problems, ids start_id.., each a function of (seed, id), levels cycling with the id. error_rate: a trace step
+    slips (+-1 or +-10) with this probability, the chain goes on (a partly competent warm start); `answer`: true sum."""
+    assert levels and all(isinstance(L, int) and L >= 1 for L in levels), levels
+    assert 0.0 <= error_rate <= 1.0 and split in (None, "val", "train"), (error_rate, split)
     out = []
     for pid in range(start_id, start_id + n):
         level, rng = levels[pid % len(levels)], random.Random(f"arith:{seed}:{pid}")
@@ -118,8 +106,7 @@ def arith_problems(n, seed=0, levels=(1, 2, 3, 4, 5), error_rate=0.0, start_id=0
             question = "+".join(map(str, terms))
             if _in_split(question, seed, split):
                 break
-        # Slips use their own stream and draw for every step, so the question does not depend on
-        # error_rate and the slipped steps at a lower rate are a subset of those at a higher one.
+        # slips draw from their own stream at every step: questions ignore error_rate, a lower rate's slips are a subset
         slip, steps, total = random.Random(f"slip:{seed}:{pid}"), [], terms[0]
         for term in terms[1:]:
             roll, delta = slip.random(), slip.choice((-10, -1, 1, 10))
@@ -132,8 +119,7 @@ def arith_problems(n, seed=0, levels=(1, 2, 3, 4, 5), error_rate=0.0, start_id=0
     return out
 
 
-# The code task (App. A.3): a program reads stdin and prints to stdout; it passes when its output on every hidden test
-# equals the expected one, trailing whitespace stripped. The built-in "code" task is generated here.
+# The code task (App. A.3): a program passes when its stdout, trailing whitespace stripped, matches every hidden test.
 CODE_INSTRUCTION = ("\nThink inside <think> </think>, then after </think> write a Python program that reads "
                     "stdin and prints the answer, in a ```python block.")
 CODE_TIME_LIMIT = 2.0  # seconds of wall clock per test
@@ -149,11 +135,9 @@ def _term(sign, coef, var, first, python):
 
 
 def code_problems(n, seed=0, levels=(1, 2, 3), error_rate=0.0, start_id=0, split=None, n_tests=3):
-    """n built-in code problems, as `arith_problems`: level L is f(a,b) with L terms in math notation, "f(a,b)=3ab-a+7",
-    printed by the program for the a b on stdin. The thinking builds the Python expression a term at a time,
-    "3*a*b,3*a*b-a,3*a*b-a+7"; slips (a coefficient off by one, a sign flipped, a variable swapped) carry on."""
-    if not levels or any(not isinstance(L, int) or not 1 <= L <= 3 for L in levels):
-        raise ValueError(f"code levels must be integers in 1..3, got {levels!r}")
+    """n code problems, as `arith_problems`: level L is f(a,b) of L terms, "f(a,b)=3ab-a+7", printed for stdin's a b;
+    the thinking builds it term by term, "3*a*b,3*a*b-a,3*a*b-a+7"; a slip changes a coefficient, sign or variable."""
+    assert levels and all(isinstance(L, int) and 1 <= L <= 3 for L in levels), levels
     # no 0 or 1, so a single slip changes every output
     out, values = [], [v for v in range(-30, 31) if v not in (0, 1)]
     for pid in range(start_id, start_id + n):
@@ -167,7 +151,6 @@ def code_problems(n, seed=0, levels=(1, 2, 3), error_rate=0.0, start_id=0, split
         for a, b in (rng.sample(values, 2) for _ in range(n_tests)):  # a != b
             f = sum((1 if s == "+" else -1) * c * (a if "a" in v else 1) * (b if "b" in v else 1) for s, c, v in terms)
             tests.append((f"{a} {b}\n", f"{f}\n"))
-        # a slip changes the coefficient, the sign or the variable; its draws are made whatever the rate
         slip, steps = random.Random(f"codeslip:{seed}:{pid}"), []
         for i, (sign, coef, var) in enumerate(terms):
             roll, kind, up = slip.random(), slip.randrange(3), slip.random() < 0.5
@@ -201,8 +184,7 @@ _REWARD_THREADS = concurrent.futures.ThreadPoolExecutor(CODE_WORKERS, thread_nam
 
 
 def reward(problem, completion, timeout=5.0):
-    """+1.0 if the answer after the last </think> passes the task's checker, else -1.0. Never raises: no answer, a
-    task without a registered checker and a checker that raises are all fails."""
+    """+1.0 if the answer after the last </think> passes its task's checker, else -1.0. Never raises: errors fail."""
     try:
         text = extract_answer(completion)
         check = CHECKERS.get(problem.task) or CHECKERS.get(problem.task.partition(":")[0] + ":")
@@ -216,9 +198,3 @@ def parallel_map(fn, items):
     """[fn(x) for x in items] on a shared pool of CODE_WORKERS threads: a batch's code checks run side by side."""
     return list(_REWARD_THREADS.map(fn, items))
 
-
-if __name__ == "__main__":
-    for p in arith_problems(5, seed=0, error_rate=0.2) + code_problems(3, seed=0, error_rate=0.3):
-        print(f"{p.task} level {p.level}: {format_prompt(p.question)!r} -> {format_target(p)!r}"
-              + (f", tests {p.answer}" if p.task == "code" else ""))
-    print(f"ARITH_CHARS ({len(ARITH_CHARS)}): {ARITH_CHARS!r}")

@@ -1,5 +1,4 @@
 """engine.py: generation, the sampling side of ScaleRL's generator-trainer loop. The paper's choices made here:
-
   - Length budgets and stop rules: a thinking budget drawn per completion from [think_min, think_max], an answer
     budget once </think> is written; EOS or a spent budget ends the completion.
   - Forced interruption (App. A.10): at the thinking budget a phrase ending in </think> is inserted as forced tokens
@@ -40,8 +39,8 @@ class Running:
     sample: Sample                 # the completion so far
     left: int                      # tokens left in the current budget: thinking first, then the answer
     thinking: bool = True          # </think> not written yet: the thinking budget applies
-    length: int = 0                # TorchEngine: tokens held in the slot's KV cache
-    pending: int = 0               # TorchEngine: the last sampled token, not yet in the KV cache
+    # TorchEngine: tokens in the slot's KV cache, all but the last one (the next forward writes it)
+    held = property(lambda self: len(self.sample.prompt_tokens) + len(self.sample.tokens) - 1)
 
 
 class Engine:
@@ -62,8 +61,7 @@ class Engine:
 
     def add(self, template, n):
         """Queue n completions of `template.prompt_tokens`, to finish together as one group."""
-        if len(template.prompt_tokens) > self.max_prompt:
-            raise ValueError(f"prompt of {len(template.prompt_tokens)} tokens exceeds max_prompt={self.max_prompt}")
+        assert len(template.prompt_tokens) <= self.max_prompt, ("prompt over max_prompt", len(template.prompt_tokens))
         self.groups[template.group] = ([], n)
         self._queue(template, n)
 
@@ -89,10 +87,10 @@ class Engine:
         self.rng.set_state(state["rng"])
         self.budget_rng.setstate(state["budget_rng"])
 
-    def _start(self, template, length=0):
+    def _start(self, template):
         """A new completion of `template`, its thinking budget drawn."""
         s = Sample(template.prompt_id, template.group, template.prompt_tokens, meta=template.meta)
-        return Running(s, left=self.budget_rng.randint(*self.think_budget), length=length)
+        return Running(s, left=self.budget_rng.randint(*self.think_budget))
 
     def _record(self, s, tokens, logprobs, forced, version=None):
         """Append tokens to sample `s`; `version`: of the weights that sampled them (default: the loaded one)."""
@@ -132,12 +130,13 @@ class Engine:
 
 
 class SlotCache:
-    """Per-layer KV buffers (slots, kv_heads, max_len, head_dim), the model's attention code's only contact: `place`
-    says where the next forward writes, `update` writes its keys/values in place and returns their history."""
-    def __init__(self, n_layers, slots, kv_heads, max_len, head_dim, dtype, device="cpu"):
-        shape = (slots, kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+    """Per-layer KV buffers (slots, kv_heads, max_len, head_dim): `place` sets where the next forward writes, `update`
+    (the model's only call) writes its keys and values in place and returns their history."""
+    def __init__(self, cfg, slots, max_len, dtype, device):
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        shape = (slots, cfg.num_key_value_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
 
     def place(self, idx, qpos, upto, rows):
         """Slots idx (R,) at positions qpos (R, n), history up to `upto` of `rows` (idx, or a slice: views)."""
@@ -159,29 +158,22 @@ class SlotCache:
             K[dst, :, :n], V[dst, :, :n] = K[src, :, :n], V[src, :, :n]
 
 
-def decode_attention(query, key, value, mask, scaling):
-    """One query token per row, (R, H, 1, D), against keys and values (R, KV, T, D) (GQA: H = KV * G) under an
-    additive mask (R, 1, 1, T) -> (R, 1, H, D). Reading the keys and values is the whole cost (the fp32 KV cache comes
-    from memory, not cache); two batched matmuls read them faster than SDPA's flash kernel does for one query."""
-    R, H, _, D = query.shape
-    q = query.view(R, key.shape[1], H // key.shape[1], D)
-    w = torch.softmax(torch.matmul(q, key.transpose(-1, -2)) * scaling + mask, -1)
-    return torch.matmul(w, value).view(R, 1, H, D)
-
-
 def slot_attention(module, query, key, value, attention_mask, horizon=None, **kwargs):
-    """The engine's attention (a `transformers` attention interface): SDPA for prefills and phrase writes. In a decode
-    step, `horizon` = (T, rows) has every row read keys up to T only, and `rows`, the few longer ones, again in full:
-    reading keys is most of a step, and one slot past its interruption phrase must not make all read as far."""
+    """The engine's attention: SDPA, but in a decode step with `horizon` = (T, rows) all rows read keys up to T and
+    `rows`, the few longer ones, all theirs: a slot past its interruption phrase must not make all read as far."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward as sdpa
     if query.shape[2] > 1 or kwargs.get("sliding_window") or kwargs.get("softcap"):
         return sdpa(module, query, key, value, attention_mask, **kwargs)
-    # fp32 on a CPU: decode_attention; in bf16 SDPA's fp32 softmax matters, and on a GPU its kernels are the fast ones
-    own = query.dtype == torch.float32 and query.device.type == "cpu"
     scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
 
     def attend(q, k, v, m):
-        return decode_attention(q, k, v, m, scaling) if own else sdpa(module, q, k, v, m, **kwargs)[0]
+        # in bf16 SDPA's fp32 softmax matters, and on a GPU its kernels are the fast ones. In fp32 on a CPU reading the
+        # KV cache (from memory) is the whole cost: two batched matmuls read it faster than SDPA does for one query
+        if q.dtype != torch.float32 or q.device.type != "cpu":
+            return sdpa(module, q, k, v, m, **kwargs)[0]
+        (R, H, _, D), KV = q.shape, k.shape[1]
+        w = torch.softmax(torch.matmul(q.view(R, KV, H // KV, D), k.transpose(-1, -2)) * scaling + m, -1)  # GQA
+        return torch.matmul(w, v).view(R, 1, H, D)
     T, rows = horizon or (key.shape[2], [])
     out = attend(query, key[:, :, :T], value[:, :, :T], attention_mask[..., :T])
     if len(rows):
@@ -190,8 +182,7 @@ def slot_attention(module, query, key, value, attention_mask, horizon=None, **kw
 
 
 def flat_parameters(model):
-    """Each dtype's parameters, in order, made views of one tensor, so that a weight bucket (consecutive parameters of
-    one dtype) lands in place with one copy. Moved one parameter at a time: never two copies of the model."""
+    """Each dtype's parameters made views of one flat tensor, moved one at a time: a weight bucket lands in one copy."""
     flat = {}
     for dt in {p.dtype for p in model.parameters()}:
         ps = [p for p in model.parameters() if p.dtype == dt]
@@ -214,11 +205,9 @@ class TorchEngine(Engine):
     def __init__(self, model, *, slots, head_dtype=torch.float32, seed=0, **rules):
         from transformers import AttentionInterface
         super().__init__(seed=seed, **rules)
-        self.model, self.head_dtype = model.eval(), head_dtype
-        self.device, dtype, cfg = next(model.parameters()).device, next(model.parameters()).dtype, model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.cache = SlotCache(cfg.num_hidden_layers, slots, cfg.num_key_value_heads, self.max_len, head_dim, dtype,
-                               self.device)
+        self.model, self.head_dtype, cfg = model.eval(), head_dtype, model.config
+        self.device, self.kv_dtype = next(model.parameters()).device, next(model.parameters()).dtype
+        self.cache = SlotCache(cfg, slots, self.max_len, self.kv_dtype, self.device)
         self.flat = flat_parameters(model)
         # SDPA becomes slot_attention (SDPA plus horizons); with others (eager, flash...) all rows read as far
         if cfg._attn_implementation == "sdpa":
@@ -237,12 +226,10 @@ class TorchEngine(Engine):
 
     @torch.no_grad()
     def load_weights(self, source, version):
-        """In-flight update (Sec. 3.1) from `source`: a module, or {name: tensor} of some or all of the parameters (a
-        generator rank loads a version one bucket at a time)."""
-        weights = dict(source.named_parameters()) if hasattr(source, "named_parameters") else source
-        params = dict(self.model.named_parameters())
-        for name, t in weights.items():
-            params[name].copy_(t)
+        """In-flight update (Sec. 3.1) from a module, or {name: tensor} of some parameters (a bucket at a time)."""
+        weights = source.named_parameters() if hasattr(source, "named_parameters") else source.items()
+        for name, t in weights:
+            self.model.get_parameter(name).copy_(t)
         self.version = version
 
     def landing(self, bucket):
@@ -258,14 +245,12 @@ class TorchEngine(Engine):
         done = []
         self._refill(done)
         runs = self._compact()
-        if not runs:
-            return done
-        hidden = self._forward(range(len(runs)), [[run.pending] for run in runs], [run.length for run in runs])
-        self.stats["decode_steps"] += 1
-        self.stats["busy_slot_steps"] += len(runs)
-        for run in runs:
-            run.length += 1
-        self._advance(range(len(runs)), hidden[:, -1], done)
+        if runs:
+            rows = range(len(runs))
+            hidden = self._forward(rows, [run.sample.tokens[-1:] for run in runs], [run.held for run in runs])
+            self.stats["decode_steps"] += 1
+            self.stats["busy_slot_steps"] += len(runs)
+            self._advance(rows, hidden[:, -1], done)
         return done
 
     def _compact(self):
@@ -274,7 +259,7 @@ class TorchEngine(Engine):
         holes = [i for i in range(len(runs)) if self.slots[i] is None]
         above = [i for i in range(len(runs), len(self.slots)) if self.slots[i] is not None]
         if holes:
-            self.cache.copy_slot(above, holes, max(self.slots[i].length for i in above))
+            self.cache.copy_slot(above, holes, max(self.slots[i].held for i in above))
             for hole, i in zip(holes, above):
                 self.slots[hole], self.slots[i] = self.slots[i], None
         return self.slots[:len(runs)]
@@ -285,9 +270,8 @@ class TorchEngine(Engine):
         idx = torch.tensor(rows, device=dev)
         qpos = torch.tensor(pos, device=dev)[:, None] + torch.arange(n, device=dev)
         self.cache.place(idx, qpos, max(pos) + n, slice(rows.start, rows.stop) if isinstance(rows, range) else idx)
-        dtype = self.cache.k[0].dtype
         allowed = torch.arange(self.cache.upto, device=dev) <= qpos[:, :, None]
-        mask = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
+        mask = torch.where(allowed, 0.0, torch.finfo(self.kv_dtype).min).to(self.kv_dtype)[:, None]
         extra = dict(horizon=self._horizon([p + 1 for p in pos])) if n == 1 and self.horizons else {}
         return self.model.model(input_ids=torch.tensor(tokens, device=dev), attention_mask=mask, position_ids=qpos,
                                 past_key_values=self.cache, use_cache=True, **extra).last_hidden_state
@@ -297,9 +281,8 @@ class TorchEngine(Engine):
         least reading: every row reads T keys, the k longer rows all theirs again at about 3x (their keys copied)."""
         top = sorted(lengths, reverse=True)
         k = min(range(len(top)), key=lambda k: len(top) * top[k] + 3 * k * top[0])
-        if k == 0:
-            return None
-        return top[k], torch.tensor([r for r, n in enumerate(lengths) if n > top[k]], device=self.device)
+        longer = [r for r, n in enumerate(lengths) if n > top[k]]
+        return (top[k], torch.tensor(longer, device=self.device)) if k else None
 
     def _sample(self, hidden):
         """Hidden states (R, H) -> tokens (R,) and their behaviour logprobs after temperature, FP32 head (Sec. 3.2)."""
@@ -309,26 +292,22 @@ class TorchEngine(Engine):
         return tokens, logp.gather(-1, tokens[:, None])[:, 0]
 
     def _refill(self, done):
-        """Continuous batching: waiting completions start in free slots and sample their first token. The prompt's KV
-        comes from a running sibling's slot if one holds it; the other new prompts share one prefill."""
-        free, starts, new = [i for i, run in enumerate(self.slots) if run is None], [], []
+        """Continuous batching: waiting completions start in free slots and sample their first token."""
+        free, starts = [i for i, run in enumerate(self.slots) if run is None], []
         while free and self.waiting:
             w = self.waiting[0]
             take, free = free[:w.left], free[w.left:]
-            # the slot holding the prompt's KV: a running sibling's, else the first one taken, prefilled below
-            source = next((i for i, r in enumerate(self.slots) if r and r.sample.group == w.template.group), None)
-            if source is None:
-                source = take[0]
-                new.append((w, source))
+            # the slot holding the prompt's KV: a running sibling's, else the first one taken (prefilled below)
+            source = next((i for i, r in enumerate(self.slots) if r and r.sample.group == w.template.group), take[0])
             starts.append((w, take, source))
             for i in take:
-                self.slots[i] = self._start(w.template, length=len(w.template.prompt_tokens))
-            # the rest of the group waits for slots
+                self.slots[i] = self._start(w.template)
             w.left -= len(take)
             if w.left == 0:
                 self.waiting.pop(0)
         # the new prompts in one forward, right-padded: a pad's keys lie past its prompt, masked until the slot's own
         # tokens overwrite them. The prompt's last hidden state samples the first token of all the group's slots
+        new = [(w, source) for w, take, source in starts if source == take[0]]
         if new:
             prompts = [w.template.prompt_tokens for w, _ in new]
             P = max(map(len, prompts))
@@ -338,9 +317,7 @@ class TorchEngine(Engine):
             self.stats["prefills"] += len(new)
         # the prompt's KV into the group's other new slots, one copy per layer
         for w, take, source in starts:
-            rest = [i for i in take if i != source]
-            if rest:
-                self.cache.copy_slot(source, rest, len(w.template.prompt_tokens))
+            self.cache.copy_slot(source, [i for i in take if i != source], len(w.template.prompt_tokens))
         if starts:
             self._advance([i for _, take, _ in starts for i in take],
                           torch.stack([w.hidden for w, take, _ in starts for _ in take]), done)
@@ -351,18 +328,14 @@ class TorchEngine(Engine):
         forced = []
         for i, token, logp in zip(idx, tokens, logps):
             run = self.slots[i]
-            run.pending = token
             what = self._take(run, token, logp)
             if what == "interrupt":
+                self._force_phrase(run)
                 forced.append(i)
             elif what == "done":
                 self.slots[i] = None
                 self._finish(run.sample, done)
-        if not forced:
-            return
-        # the phrase goes into these slots' KV caches in one forward, as forced tokens
-        phrase, runs = list(self.interrupt_ids), [self.slots[i] for i in forced]
-        self._forward(forced, [[run.pending] + phrase[:-1] for run in runs], [run.length for run in runs])
-        for run in runs:
-            run.length, run.pending = run.length + len(phrase), phrase[-1]
-            self._force_phrase(run)
+        if forced:
+            # into these slots' KV caches in one forward: the last sampled token and the phrase but its last token
+            n, runs = len(self.interrupt_ids), [self.slots[i] for i in forced]
+            self._forward(forced, [run.sample.tokens[-n - 1:-1] for run in runs], [run.held - n for run in runs])

@@ -1,25 +1,20 @@
-"""The ScaleRL objective and its peers as plain tensor functions: advantages, per-token policy losses,
-aggregation, FP32-head token logprobs and the diagnostics a trainer logs.
+"""The ScaleRL objective and its peers as tensor functions: advantages, token losses, aggregation, FP32-head logprobs.
 
 REINFORCE minimises `-r * log pi(y_t)` on samples from the current policy. Each piece here changes one thing about it:
 1. Advantage (Sec. 3.2): `A_i = r_i - mean` over the prompt's G completions, divided by the std of all A_i in the
    batch (ScaleRL), the prompt's own std (GRPO) or nothing (Dr. GRPO). Equal rewards in a group: A = 0, no signal.
-2. Importance ratio (Sec. 3.1): tokens come from the generator, which lags the trainer (PipelineRL) and runs other
-   kernels, so every loss reweights by `rho = pi_train(y_t) / pi_gen(y_t)`, with the generator's own logprob.
+2. Importance ratio (Sec. 3.1): the generator lags (PipelineRL) and runs other kernels: `rho = pi_train / pi_gen`.
 3. CISPO (Sec. 3.2): REINFORCE weighted by `sg(min(rho, eps_max))`, a constant capped from above only: no token
    loses its gradient, a huge ratio just stops growing. eps_max = 4 (the paper saw 4, 5 and 8 tie).
 4. PPO clipping (DAPO, GRPO; Sec. 3.2): `rho * A` clipped to `[1 - eps_low, 1 + eps_high]`, no dual clip, no KL: a token
    whose ratio left that range the way A pushes gets zero gradient. DAPO: 0.2 / 0.28 ("clip-higher"); GRPO: 0.2 / 0.2.
-5. GSPO (Sec. 3.2): one ratio per sequence, the geometric mean of its token ratios, clipped PPO-style with tiny
-   ranges (3e-3 / 5e-3 worked for the paper; GSPO's own 3e-4 / 4e-4 did not).
-6. Aggregation (Sec. 3.2): how token losses become one number. Prompt average (ScaleRL: each prompt counts once,
-   its tokens share its weight), sample average (GRPO), token average (DAPO).
+5. GSPO (Sec. 3.2): one ratio per sequence (the geometric mean of its token ratios), PPO-clipped to 3e-3 / 5e-3.
+6. Aggregation (Sec. 3.2): prompt average (ScaleRL: each prompt counts once), sample (GRPO) or token average (DAPO).
 7. FP32 head (Sec. 3.2, Fig. 5b): float32 logits on both generator (`head_logits`) and trainer (`head_logprobs`),
    logprobs after the sampling temperature; it lifted the asymptote from 0.52 to 0.61 by removing a ratio bias.
 
 ScaleRL = CISPO + prompt aggregation + batch advantage normalisation + zero-variance filtering + NPR + FP32 head.
-Filtering and No-Positive-Resampling (NPR) act on prompts (pipeline_rl.py): pass only the kept groups here, or zero the
-mask of dropped ones (a group without loss tokens is not counted). The FP32 head's memory: bench/token_logprobs.py.
+Filtering and No-Positive-Resampling (NPR) act on prompts (pipeline_rl.py): pass only the kept groups here.
 """
 import torch
 
@@ -27,20 +22,16 @@ import torch
 # ----------------------------------------------------------------------------- advantages (Sec. 3.2)
 def group_advantages(rewards, group, norm="batch", eps=1e-6):
     """(B,) advantages from (B,) rewards and (B,) integer prompt ids (any values, any order)."""
-    assert rewards.dim() == 1 and group.shape == rewards.shape, (
-        f"rewards and group must both be (B,); got {tuple(rewards.shape)}, {tuple(group.shape)}")
+    assert rewards.dim() == 1 and group.shape == rewards.shape, (rewards.shape, group.shape)
     assert norm in ("batch", "prompt", "none"), norm
     r = rewards if rewards.is_floating_point() else rewards.float()
-    _, idx = torch.unique(group, return_inverse=True)  # (B,) group index 0..n-1
-    n = int(idx.max()) + 1 if idx.numel() else 0
+    uniq, idx = torch.unique(group, return_inverse=True)  # (B,) group index 0..n-1
 
     def per_group(x, how="sum"):  # (n,) reduction of x over each group's completions
-        return r.new_zeros(n).scatter_reduce(0, idx, x, how, include_self=False)
-
+        return r.new_zeros(len(uniq)).scatter_reduce(0, idx, x, how, include_self=False)
     count = per_group(torch.ones_like(r))  # (n,)
-    adv = r - (per_group(r) / count)[idx]
     live = (per_group(r, "amax") > per_group(r, "amin"))[idx]  # (B,) the group's rewards differ
-    adv = torch.where(live, adv, torch.zeros_like(adv))  # exactly 0, not round-off
+    adv = torch.where(live, r - (per_group(r) / count)[idx], 0.0)  # exactly 0, not round-off
     # ScaleRL: one std (unbiased; our choice) over all completions passed in, kept zero-variance groups' zeros too
     if norm == "batch":
         std = adv.std() if live.any() and adv.numel() > 1 else 0.0
@@ -76,8 +67,7 @@ def ppo_clip(logp, gen_logp, adv, eps_low=0.2, eps_high=0.28):
 def _seq_log_ratio(logp, gen_logp, mask):
     """(B,) log of GSPO's sequence ratio: mean over loss tokens of log(pi_train / pi_gen)."""
     m = mask.bool()
-    diff = torch.where(m, logp - gen_logp, torch.zeros_like(logp))  # padding may hold any value
-    return diff.sum(-1) / m.sum(-1).clamp(min=1)
+    return torch.where(m, logp - gen_logp, 0.0).sum(-1) / m.sum(-1).clamp(min=1)  # padding may hold any value
 
 
 def gspo(logp, gen_logp, adv, mask, eps_low=3e-3, eps_high=5e-3):
@@ -92,8 +82,7 @@ def aggregation_weights(mask, group, how="prompt", dtype=None):
     """(B, T) weights w with aggregate = (per_token * w).sum(); sliced to micro-batches, the sums add up to the full
     loss exactly. Completions (prompts) without loss tokens contribute nothing and are not counted."""
     assert how in ("prompt", "sample", "token"), how
-    assert mask.dim() == 2 and group.shape == mask.shape[:1], (
-        f"mask must be (B, T) and group (B,); got {tuple(mask.shape)} and {tuple(group.shape)}")
+    assert mask.dim() == 2 and group.shape == mask.shape[:1], (mask.shape, group.shape)
     dtype = dtype or (mask.dtype if mask.is_floating_point() else torch.float32)
     m = mask.bool().to(dtype)  # (B, T)
     n_tok = m.sum(-1)  # (B,) loss tokens per completion
@@ -102,8 +91,8 @@ def aggregation_weights(mask, group, how="prompt", dtype=None):
     if how == "sample":  # GRPO: mean over completions of each completion's token mean
         return m / n_tok.clamp(min=1)[:, None] / (n_tok > 0).sum().clamp(min=1)
     # ScaleRL: mean over prompts of (sum of the prompt's token losses / T_p), T_p over all its completions
-    _, idx = torch.unique(group, return_inverse=True)
-    t_p = m.new_zeros(int(idx.max()) + 1 if idx.numel() else 0).index_add_(0, idx, n_tok)  # (n_prompts,)
+    uniq, idx = torch.unique(group, return_inverse=True)
+    t_p = m.new_zeros(len(uniq)).index_add_(0, idx, n_tok)  # (n_prompts,)
     return m / t_p[idx].clamp(min=1)[:, None] / (t_p > 0).sum().clamp(min=1)
 
 
@@ -114,26 +103,24 @@ def aggregate(per_token, mask, group, how="prompt"):
 
 
 # ----------------------------------------------------------------------------- registry and entry point
-DEFAULTS = {  # name -> the paper's options for that loss; policy_loss's keyword arguments override them
-    "cispo": dict(eps_max=4.0),  # Sec. 3.2: the truncation cap; 4, 5 and 8 tied
-    "dapo": dict(eps_low=0.2, eps_high=0.28),  # Sec. 3.2: DAPO's clip-higher range
-    "grpo": dict(eps_low=0.2, eps_high=0.2),  # Sec. 3.2: symmetric PPO clipping
-    "gspo": dict(eps_low=3e-3, eps_high=5e-3),  # Sec. 3.2: on the sequence ratio (GSPO's own 3e-4 / 4e-4 failed)
-}
+# name -> the paper's options for that loss (Sec. 3.2, items 3-5 above; GSPO's own 3e-4 / 4e-4 failed there)
+DEFAULTS = {"cispo": dict(eps_max=4.0), "dapo": dict(eps_low=0.2, eps_high=0.28),
+            "grpo": dict(eps_low=0.2, eps_high=0.2), "gspo": dict(eps_low=3e-3, eps_high=5e-3)}
 LOSSES = {"cispo": cispo, "dapo": ppo_clip, "grpo": ppo_clip, "gspo": gspo}  # (B, T) losses; gspo takes the mask too
 
 
 def policy_loss(logp, gen_logp, adv, mask, weights, loss="cispo", **kw):
-    """(scalar loss, diagnostics). `weights` come from aggregation_weights on the whole batch (sliced for a
-    micro-batch); kw overrides the loss's options (eps_max; eps_low, eps_high)."""
+    """(scalar loss, diagnostics); `weights`: aggregation_weights of the whole batch, sliced; kw overrides DEFAULTS."""
     assert loss in LOSSES, loss
     assert set(kw) <= set(DEFAULTS[loss]), f"loss {loss!r} takes options {sorted(DEFAULTS[loss])}; got {sorted(kw)}"
     fn, opts = LOSSES[loss], {**DEFAULTS[loss], **kw}
-    assert logp.shape == gen_logp.shape == mask.shape == weights.shape and logp.dim() == 2, (
-        f"need equal (B, T) shapes; got {[tuple(x.shape) for x in (logp, gen_logp, mask, weights)]}")
+    assert logp.shape == gen_logp.shape == mask.shape == weights.shape and logp.dim() == 2, (logp.shape, mask.shape)
     m = mask.bool()
     per_token = fn(logp, gen_logp, adv, mask, **opts) if loss == "gspo" else fn(logp, gen_logp, adv, **opts)
     total = torch.where(m, per_token * weights, torch.zeros_like(per_token)).sum()
+    n = int(m.sum())
+    if n == 0:
+        return total, dict(clip_frac=0.0, ratio_mean=0.0, ratio_max=0.0, mismatch_kl=0.0, n_tokens=0)
     with torch.no_grad():
         rho = torch.exp(logp - gen_logp)  # (B, T) token ratios
         if loss == "cispo":  # truncated: the weight was capped
@@ -142,12 +129,9 @@ def policy_loss(logp, gen_logp, adv, mask, weights, loss="cispo", **kw):
             r = rho if loss != "gspo" else torch.exp(_seq_log_ratio(logp, gen_logp, mask))[:, None].expand_as(rho)
             a = _per_token(adv, logp)
             clipped = ((a > 0) & (r > 1 + opts["eps_high"])) | ((a < 0) & (r < 1 - opts["eps_low"]))
-        n, rho_m = int(m.sum()), rho[m]
-        diag = {"clip_frac": float(clipped[m].sum()) / max(n, 1), "ratio_mean": float(rho_m.mean()) if n else 0.0,
-                "ratio_max": float(rho_m.max()) if n else 0.0,
-                "mismatch_kl": float((gen_logp - logp)[m].mean()) if n else 0.0,  # estimates KL(gen || train)
-                "n_tokens": n}
-    return total, diag
+        # mismatch_kl estimates KL(gen || train)
+        return total, dict(clip_frac=float(clipped[m].sum()) / n, ratio_mean=float(rho[m].mean()),
+                           ratio_max=float(rho[m].max()), mismatch_kl=float((gen_logp - logp)[m].mean()), n_tokens=n)
 
 
 # ----------------------------------------------------------------------------- FP32-head logprobs (Sec. 3.2, Fig. 5b)
@@ -161,8 +145,7 @@ class _FP32HeadLogprobs(torch.autograd.Function):
         lp, lse = wf.new_empty(h.shape[0]), wf.new_empty(h.shape[0])
         for c, _, z in _chunks(h, wf, chunk, tau):
             zmax = z.amax(-1, keepdim=True)
-            z.sub_(zmax)
-            tgt = z.gather(1, targets[c, None])[:, 0]
+            tgt = z.sub_(zmax).gather(1, targets[c, None])[:, 0]
             lse[c] = z.exp_().sum(-1).log() + zmax[:, 0]
             lp[c] = tgt + zmax[:, 0] - lse[c]
         ctx.chunk, ctx.tau = chunk, tau
@@ -176,11 +159,9 @@ class _FP32HeadLogprobs(torch.autograd.Function):
         grad_h = wf.new_empty(h.shape) if ctx.needs_input_grad[0] else None
         grad_w = wf.new_zeros(w.shape) if ctx.needs_input_grad[1] else None
         for c, hc, g in _chunks(h, wf, ctx.chunk, ctx.tau):
-            # d logp_target / dz = onehot - p, z = logits / tau
+            # d logp_target / d logits = (onehot - p) / tau
             g.sub_(lse[c, None]).exp_().mul_(-g_lp[c, None])
-            g.scatter_add_(1, targets[c, None], g_lp[c, None])
-            if ctx.tau != 1.0:
-                g.div_(ctx.tau)
+            g.scatter_add_(1, targets[c, None], g_lp[c, None]).div_(ctx.tau)
             if grad_h is not None:
                 grad_h[c] = g @ wf
             if grad_w is not None:
@@ -194,20 +175,16 @@ def _chunks(h, wf, chunk, tau):
     buf = wf.new_empty(min(chunk, h.shape[0]), wf.shape[0])
     for i in range(0, h.shape[0], chunk):
         hc = h[i:i + chunk].to(wf.dtype)
-        z = torch.mm(hc, wf.T, out=buf[:hc.shape[0]])
-        yield slice(i, i + chunk), hc, (z.div_(tau) if tau != 1.0 else z)
+        yield slice(i, i + chunk), hc, torch.mm(hc, wf.T, out=buf[:hc.shape[0]]).div_(tau)
 
 
 def token_logprobs(hidden, head_weight, targets, chunk=1024, temperature=1.0):
     """(B, T) float32 (float64 if an input is) logprobs of targets under the FP32 LM head after temperature (Sec. 3.2),
     differentiable in hidden (B, T, H, any dtype) and head_weight (V, H); the (B*T, V) float32 logits never exist."""
-    assert (hidden.dim() == 3 and head_weight.dim() == 2 and hidden.shape[-1] == head_weight.shape[1]
-            and targets.shape == hidden.shape[:2] and not targets.is_floating_point()), (
-        f"need hidden (B, T, H), head_weight (V, H) and integer targets (B, T); got {tuple(hidden.shape)}, "
-        f"{tuple(head_weight.shape)}, {targets.dtype} {tuple(targets.shape)}")
-    assert not targets.numel() or (targets.min() >= 0 and targets.max() < head_weight.shape[0]), (
-        f"targets must lie in [0, {head_weight.shape[0]}); got {int(targets.min())} to {int(targets.max())}")
-    assert int(chunk) >= 1 and temperature > 0, f"need chunk >= 1 and temperature > 0; got {chunk}, {temperature}"
+    assert hidden.dim() == 3 and hidden.shape[-1] == head_weight.shape[1] and targets.shape == hidden.shape[:2] and \
+        not targets.is_floating_point(), ("hidden, head_weight, targets", hidden.shape, head_weight.shape, targets)
+    assert not targets.numel() or 0 <= targets.min() <= targets.max() < head_weight.shape[0], "targets out of vocab"
+    assert int(chunk) >= 1 and temperature > 0, ("chunk, temperature", chunk, temperature)
     return _FP32HeadLogprobs.apply(hidden.flatten(0, 1), head_weight, targets.flatten().long(), int(chunk),
                                    float(temperature)).view(targets.shape)
 

@@ -24,7 +24,6 @@ def first_line(e):
     return (str(e).strip().splitlines() or [""])[0][:300]
 
 
-# --- One process's generating side: prompts, rewards, the curriculum ----------------------------------------------
 class Rollouts:
     """One process's generating side around its engine: prompts from `pool` (None: evaluation only), rewards, groups."""
     def __init__(self, engine, pool, tok, max_prompt):
@@ -92,18 +91,15 @@ class PromptPool:
     """Problems epoch by epoch in a seeded order; records each scored group for NPR and the zero-variance filter."""
     def __init__(self, problems, seed=0, npr=True, npr_threshold=0.9, zero_var=True):
         self.problems = {p.id: p for p in problems}
-        if not self.problems or len(self.problems) != len(problems):
-            raise ValueError(f"PromptPool needs a non-empty list of problems with unique ids, got {len(problems)} "
-                             f"problems with {len(self.problems)} distinct ids")
+        assert self.problems and len(self.problems) == len(problems), "PromptPool needs problems with unique ids"
         self.seed, self.npr, self.npr_threshold, self.zero_var = seed, npr, npr_threshold, zero_var
-        self.epoch, self.position, self.removed, self.history = 0, 0, set(), {}
-        self.groups_seen = self.zero_var_dropped = 0
-        self.order = self._epoch_order()
+        self.removed, self.history, self.groups_seen, self.zero_var_dropped = set(), {}, 0, 0
+        self._start_epoch(0)
 
-    def _epoch_order(self):
-        ids = sorted(set(self.problems) - self.removed)
-        random.Random(f"pool:{self.seed}:{self.epoch}").shuffle(ids)
-        return ids
+    def _start_epoch(self, epoch):
+        """A seeded order of the prompts not removed (NPR)."""
+        self.epoch, self.position, self.order = epoch, 0, sorted(set(self.problems) - self.removed)
+        random.Random(f"pool:{self.seed}:{epoch}").shuffle(self.order)
 
     npr_removed = property(lambda self: len(self.removed))
     zero_var_frac = property(lambda self: self.zero_var_dropped / self.groups_seen if self.groups_seen else 0.0)
@@ -111,8 +107,7 @@ class PromptPool:
     def next(self):
         # epoch exhausted: the next one leaves out removed prompts
         if self.position >= len(self.order):
-            self.epoch, self.position = self.epoch + 1, 0
-            self.order = self._epoch_order()
+            self._start_epoch(self.epoch + 1)
             if not self.order:
                 raise RuntimeError(f"PromptPool: all {len(self.problems)} prompts were removed by No-Positive-"
                                    f"Resampling (pass rate >= {self.npr_threshold}); nothing left to sample")
@@ -121,9 +116,7 @@ class PromptPool:
 
     def record(self, prompt_id, rewards):
         """Record a finished group's rewards (+1/-1); returns kept: False when zero-variance filtering drops it."""
-        if prompt_id not in self.problems:
-            raise KeyError(f"PromptPool.record: unknown prompt id {prompt_id}")
-        assert len(rewards) > 0, f"empty rewards for prompt {prompt_id}"
+        assert prompt_id in self.problems and len(rewards) > 0, (prompt_id, rewards)
         rate = sum(r > 0 for r in rewards) / len(rewards)
         self.groups_seen += 1
         # NPR (Sec. 3.2, choice): the latest pass rate decides; a later, lower one (a group in flight) brings it back
@@ -132,10 +125,9 @@ class PromptPool:
             self.removed.add(prompt_id)
         else:
             self.removed.discard(prompt_id)
-        if self.zero_var and all(r == rewards[0] for r in rewards):
-            self.zero_var_dropped += 1
-            return False
-        return True
+        dropped = self.zero_var and all(r == rewards[0] for r in rewards)
+        self.zero_var_dropped += dropped
+        return not dropped
 
     def state_dict(self):
         return {"seed": self.seed, "epoch": self.epoch, "position": self.position, "order": list(self.order),
@@ -161,8 +153,7 @@ class MixedPool:
         self.task_of, self.drawn = {p.id: p.task for p in problems}, dict.fromkeys(self.pools, 0)
 
     npr_removed = property(lambda self: sum(p.npr_removed for p in self.pools.values()))
-    # the slowest task's epoch
-    epoch = property(lambda self: min(p.epoch for p in self.pools.values()))
+    epoch = property(lambda self: min(p.epoch for p in self.pools.values()))  # the slowest task's
 
     def next(self):
         n = sum(self.drawn.values()) + 1
@@ -177,8 +168,6 @@ class MixedPool:
         return {"drawn": dict(self.drawn), "pools": {t: p.state_dict() for t, p in self.pools.items()}}
 
     def load_state_dict(self, state):
-        if set(state["pools"]) != set(self.pools):
-            raise ValueError(f"MixedPool state holds tasks {sorted(state['pools'])}, this pool {sorted(self.pools)}")
         self.drawn = dict(state["drawn"])
         for task, pool in self.pools.items():
             pool.load_state_dict(state["pools"][task])
@@ -193,7 +182,6 @@ def make_pool(problems, tasks, code_frac=0.5, **pool_kw):
     return MixedPool(problems, {t: code_frac if t == "code" else rest for t in tasks}, **pool_kw)
 
 
-# --- Batch sources: what the trainer's loop reads ---------------------------------------------------------------
 @dataclass
 class Batch:
     groups: list                   # B groups (lists of G scored Samples), admission order (trainer rank 0 only)
@@ -236,7 +224,7 @@ class BatchSource:
         return Batch(groups, kept, sum(lags) / max(len(lags), 1), max(lags, default=0))
 
     def close(self):
-        pass
+        """The end of the run (TrainerLink stops the generator ranks)."""
 
 
 class Scheduler(BatchSource):
@@ -295,17 +283,15 @@ class Scheduler(BatchSource):
         return dict(tokens=self.engine.stats["tokens"], gen_s=self.gen_s, **self.rollouts.info())
 
 
-# --- Held-out evaluation: mean@n pass rate, not on the compute axis (Sec. 2.1) ----------------------------------------
 def evaluate(engine, rollouts, templates, n, seed, progress=None):
-    """(task, passed, length) of n completions of each held-out template with the engine's weights; sampling and
-    thinking budgets re-seeded from `seed`, put back after (on a generator rank, training completions share them)."""
-    saved = engine.rng.get_state(), engine.budget_rng.getstate()
+    """Held-out mean@n (Sec. 2.1): (task, passed, length) of n completions of each template with the engine's weights;
+    sampling and thinking budgets re-seeded from `seed`, put back after (training completions on a rank share them)."""
+    saved = engine.state_dict()
     engine.rng.manual_seed(seed)
     engine.budget_rng.seed(seed)
     groups = engine.generate(templates, n, progress)
     rollouts.score(groups)
-    engine.rng.set_state(saved[0])
-    engine.budget_rng.setstate(saved[1])
+    engine.load_state_dict(saved)
     return [(s.meta.task, s.reward > 0, len(s.tokens)) for g in groups for s in g]
 
 

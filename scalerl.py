@@ -4,8 +4,7 @@ The paper's choices this run makes (sections are the paper's; each is implemente
   1. Loss: CISPO, truncated importance-sampling REINFORCE, eps_max 4 (Sec. 3.2; losses.py). DAPO, GRPO, GSPO by flag.
   2. Aggregation: prompt-level average of token losses (Sec. 3.2; losses.py). Sample and token averages by flag.
   3. Advantages: group mean subtracted, divided by the batch std (Sec. 3.2; losses.py). Per-prompt std or none.
-  4. Zero-variance filtering: groups whose completions all got the same reward leave the loss (Sec. 3.2;
-     pipeline_rl.py).
+  4. Zero-variance filtering: groups whose completions all got one reward leave the loss (Sec. 3.2; pipeline_rl.py).
   5. No-Positive-Resampling: prompts with pass rate >= 0.9 are retired from later epochs (Sec. 3.2; pipeline_rl.py).
   6. FP32 LM head on the generator and the trainer (Sec. 3.2, Fig. 5b; engine.py, trainer.py, losses.py).
   7. PipelineRL-k: streaming generation with in-flight weight updates, lag bounded by k (Sec. 3.1; pipeline_rl.py).
@@ -15,16 +14,10 @@ The paper's choices this run makes (sections are the paper's; each is implemente
  11. Under torchrun: generator ranks and FSDP2 trainer ranks, full weights broadcast after every optimizer step
      (App. A.16: 64 generating and 16 FSDP training GPUs per run). Device-hours count every rank.
 
-Read next: trainer.py, losses.py, pipeline_rl.py, engine.py, data.py, sigmoid_fit.py. What a real run needs besides
-(options, the run directory, checkpoints, torchrun, vLLM, datasets, the code sandbox) is in infra/.
+Read next: trainer.py, losses.py, pipeline_rl.py, engine.py, data.py, sigmoid_fit.py; the rest of a real run: infra/.
 
-Run it:
-  python scalerl.py                          # tiny: built-in task, model built in code, one CPU, minutes
-  python scalerl.py --max_steps=50 --loss=dapo --out_dir=out/dapo
-  python scalerl.py --out_dir=out/tiny --resume
-  torchrun --standalone --nproc_per_node=2 scalerl.py           # rank 0 trains, rank 1 generates (gloo on CPU)
-  torchrun --nnodes=2 --node_rank=0 --nproc_per_node=4 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 \
-      scalerl.py --gen_ranks=6                # and node_rank=1 on the other node: ranks 0-1 train (FSDP2), 2-7 generate
+Run it: `python scalerl.py` (one CPU, minutes; --help lists every option), `torchrun --standalone --nproc_per_node=2
+scalerl.py` (rank 0 trains, rank 1 generates); one GPU, many nodes and the 8b preset: the README.
 """
 from dataclasses import dataclass
 import os
@@ -37,10 +30,8 @@ import torch
 import trainer
 from infra import cli, dist, print0, run, rundir, sources
 
-# ---------------------------------------------------------------------------------------------------------------------
+
 # Config: one dataclass (the recipe's knobs, then the run's options), presets as override dicts, then --key=value.
-
-
 @dataclass
 class Config:
     # model
@@ -48,8 +39,7 @@ class Config:
     n_layer: int = 4                   # tiny model depth
     n_embd: int = 128                  # tiny model width
     n_head: int = 4                    # tiny model heads (head size n_embd/n_head = 32: vLLM CPU supports it)
-    dtype: str = "float32"             # body precision: float32 | bfloat16 (both sides compute the body in it; the
-                                       # trainer keeps fp32 masters, FSDP2 mixed precision)
+    dtype: str = "float32"             # body precision on both sides: float32 | bfloat16 (trainer: fp32 masters)
     fp32_head: bool = True             # LM head in FP32 on generator and trainer (Sec. 3.2); off = head in body dtype
     # data
     task: str = "arith"                # prompts: arith | code | rg:<task> | gsm8k | math | polaris | deepcoder | a
@@ -137,23 +127,19 @@ PAPER_8B = dict(model="Qwen/Qwen3-8B", task="polaris", n_train=60000, eval_promp
                 lr=5e-7, warmup_steps=100, adam_eps=1e-15, weight_decay=0.01, micro_batch_tokens=32768, act_ckpt=True,
                 gen_share=0.8, dist_timeout=1800.0)
 
-
-# A model from the hub or a path starts from these (not the tiny model's budgets, sized for a 1M-parameter model):
-# Qwen3-style thinking lengths cut to what one GPU generates in minutes, an LR between the paper's 5e-7 at 8B and
-# what small models take, RL straight from the model (no warm start). Ours, not the paper's (choice).
+# A hub model or path starts from these, not the tiny model's budgets (ours, not the paper's: choice): Qwen3-style
+# thinking cut to what one GPU makes in minutes, an LR between the paper's 5e-7 at 8B and small models', no warm start.
 HUB = dict(sft_steps=0, dtype="bfloat16", max_prompt=512, think_min=768, think_max=1024, answer_budget=256,
            batch_prompts=32, group_size=8, slots=64, lr=1e-6, warmup_steps=10, adam_eps=1e-15, max_steps=200,
            eval_every=20, ckpt_every=20, eval_prompts=256, eval_samples=4, n_train=100000, decode_per_step=0,
            micro_batch_tokens=8192, max_lag=4, plan_gpus=1)
 
-
 PRESETS = {
     "tiny": {},
     "smoke": dict(max_steps=4, eval_every=2, eval_prompts=8, eval_samples=2, n_train=200, sft_steps=20,
                   batch_prompts=4, group_size=4, slots=16, ckpt_every=2),
-    # the paper in miniature (runs/ablations.py): levels 7-8 outgrow the thinking budget, so the ceiling sits near
-    # 0.6, below the fit's bound; two layers learn it in about 30 steps, and 300 reach 10 x C_mid in 3-5 min
-    # on one thread; 192 held-out prompts halve an evaluation's noise (README "The paper in miniature")
+    # the paper in miniature (runs/ablations.py): levels 7-8 outgrow the thinking budget (ceiling near 0.6, under the
+    # fit's bound); 2 layers learn in ~30 steps, 300 reach 10 x C_mid in 3-5 min on a thread; 192 prompts halve noise
     "miniature": dict(levels="1,2,3,4,5,6,7,8", n_layer=2, lr=1.5e-4, max_steps=300, eval_prompts=192),
     "hub": HUB,                                                              # any --model other than tiny
     "gsm8k_0.6b": {**HUB, "model": "Qwen/Qwen3-0.6B", "task": "gsm8k"},      # one GPU, grade-school math
@@ -170,11 +156,8 @@ def parse_args(argv):
     """--config NAME, then --key=value on top; --help lists every option (infra/cli.py)."""
     return cli.parse_args(argv, Config, PRESETS)
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The recipe: set up (one line each; the bookkeeping is in infra/), then one loop, the same for one process and for
-# every trainer rank under torchrun.
 
-
+# The recipe: set up (one line each; infra/ keeps the bookkeeping), then one loop for one process or any trainer rank.
 def main(cfg):
     if cfg.dry_run or cfg.eval_only or cfg.export:
         return run.tool(cfg)

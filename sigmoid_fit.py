@@ -11,13 +11,14 @@ half of the gain at C_mid. Choices:
    residual bootstrap of A. Recipes whose A agree within 0.02 are compared by B at their mean A.
 5. Power-law baseline R = A - D / C**B (App. A): it overshoots the ceiling when fitted early.
 6. "Slope equals B" (Fig. 7): log((R - R0) / (A - R)) is a straight line of slope B in log C.
-
 Usage: python sigmoid_fit.py out/<run> [more runs or CSVs] [--plot curve.png] [--per-task]   (--help: the options)
 """
 import argparse
+from collections import namedtuple
 import csv
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass
 
@@ -63,7 +64,6 @@ class SigmoidFit:
     n_points: int
     A_std: float = float("nan")
     A_ci: tuple = (float("nan"), float("nan"))
-    method: str = "grid"
 
     def predict(self, C):
         return sigmoid(C, self.A, self.B, self.C_mid, self.R0)
@@ -76,8 +76,6 @@ class PowerLawFit:
     B: float
     sse: float
     rmse: float
-    window: tuple
-    n_points: int
 
     def predict(self, C):
         return self.A - self.D / np.asarray(C, dtype=float) ** self.B
@@ -93,10 +91,11 @@ def _window(C, R, c_min, c_max):
     return C[keep], R[keep]
 
 
-def _best_b(A, logcm, logc, R, R0, n_grid=25, n_golden=20):
-    """Least-squares B in every (A, C_mid) cell at once: a coarse log-grid of B brackets the minimum, golden-section
-    search narrows it. A, logcm: (K,); logc, R: (N,). Returns B, sse: (K,)."""
-    gain, d = (A - R0)[:, None], logc - logcm[:, None]
+def _grid_search(a_vals, logcm_vals, logc, R, R0, n_grid=25, n_golden=20):
+    """Every (A, C_mid) pair of the two grids with its least-squares B, all cells at once: a coarse log-grid of B
+    brackets the minimum, golden-section search narrows it. Returns (A, B, log C_mid, sse) of the best cell."""
+    A, L = (m.ravel() for m in np.meshgrid(a_vals, logcm_vals, indexing="ij"))
+    gain, d = (A - R0)[:, None], logc - L[:, None]
     def sse(logb):
         return ((R0 + gain * expit(np.exp(logb)[:, None] * d) - R) ** 2).sum(-1)
     grid = np.linspace(np.log(B_BOUNDS[0]), np.log(B_BOUNDS[1]), n_grid)
@@ -112,22 +111,14 @@ def _best_b(A, logcm, logc, R, R0, n_grid=25, n_golden=20):
         xn = np.where(left, hi - g * (hi - lo), lo + g * (hi - lo))
         fn = sse(xn)
         x1, x2, f1, f2 = np.where(left, [xn, x1, fn, f1], [x2, xn, f2, fn])
-    return np.exp(np.where(f1 < f2, x1, x2)), np.minimum(f1, f2)
+    best = np.minimum(f1, f2)
+    i = best.argmin()
+    return A[i], np.exp(np.where(f1 < f2, x1, x2))[i], L[i], best[i]
 
 
-def _grid_search(a_vals, logcm_vals, logc, R, R0):
-    """Every (A, C_mid) pair of the two grids; returns (A, B, log C_mid, sse) of the best cell."""
-    A, L = (m.ravel() for m in np.meshgrid(a_vals, logcm_vals, indexing="ij"))
-    B, sse = _best_b(A, L, logc, R, R0)
-    i = sse.argmin()
-    return A[i], B[i], L[i], sse[i]
-
-
-def fit_sigmoid(C, R, R0, c_min=None, c_max=None, method="grid", paper_grid=False, n_boot=100, seed=0, fix_A=None):
-    """Fit A, B, C_mid with R0 fixed on the points with C > 0 in [c_min, c_max] (choices 1, 2); method="curve_fit"
-    polishes the grid optimum. n_boot bootstrap refits give the spread of A (~0.2 s per 100 for 50 points). fix_A
-    holds A at that value and fits B, C_mid only (choice 4); the grid result is then final."""
-    _check(method in ("grid", "curve_fit"), f"unknown method {method!r}: expected 'grid' or 'curve_fit'")
+def fit_sigmoid(C, R, R0, c_min=None, c_max=None, paper_grid=False, n_boot=100, seed=0, fix_A=None):
+    """A, B, C_mid with R0 fixed, on the points with C > 0 in [c_min, c_max] (choices 1, 2); n_boot refits give A's
+    spread (~0.2 s per 100 for 50 points); fix_A fits B, C_mid at that A (choice 4)."""
     _check(0 <= R0 < 1, f"R0 must be a pass rate in [0, 1), got {R0}")
     _check(fix_A is None or R0 < fix_A <= 1, f"fix_A must lie in (R0, 1] = ({R0}, 1], got {fix_A}")
     C, R = _window(C, R, c_min, c_max)
@@ -158,22 +149,15 @@ def fit_sigmoid(C, R, R0, c_min=None, c_max=None, method="grid", paper_grid=Fals
         s = expit(p[1] * (logc - p[2]))
         ds = (p[0] - R0) * s * (1 - s)
         return R0 + (p[0] - R0) * s, np.stack([s, ds * (logc - p[2]), -ds * p[1]], axis=1)
-    # Least squares in p = (A, B, log C_mid) from the best fit so far: the curve_fit polish, every bootstrap refit.
+    # Residual bootstrap: least squares in p = (A, B, log C_mid) on the fitted curve plus resampled residuals.
     def refit(y):
         p0 = np.clip([A, B, L], np.add(lo, 1e-9), np.subtract(hi, 1e-9))
         return least_squares(lambda p: curve_jac(p)[0] - y, p0, bounds=(lo, hi), jac=lambda p: curve_jac(p)[1]).x
-    if method == "curve_fit" and fix_A is None:
-        p = refit(R)
-        p_sse = float(((curve_jac(p)[0] - R) ** 2).sum())
-        # The polish replaces the grid optimum only if it improves on it.
-        if p_sse <= sse:
-            (A, B, L), sse = p, p_sse
     fit = SigmoidFit(float(A), float(B), float(np.exp(L)), float(R0), float(sse), float(np.sqrt(sse / len(C))),
-                     (float(C.min()), float(C.max())), len(C), method=method)
+                     (float(C.min()), float(C.max())), len(C))
     if fix_A is not None:
         fit.A_std, fit.A_ci = 0.0, (float(fix_A), float(fix_A))
     elif n_boot > 0:
-        # Residual bootstrap: refit to the fitted curve plus resampled residuals.
         fitted, rng = curve_jac([A, B, L])[0], np.random.default_rng(seed)
         a = [refit(fitted + rng.choice(R - fitted, size=R.size))[0] for _ in range(n_boot)]
         fit.A_std, fit.A_ci = float(np.std(a)), (float(np.percentile(a, 5)), float(np.percentile(a, 95)))
@@ -181,8 +165,7 @@ def fit_sigmoid(C, R, R0, c_min=None, c_max=None, method="grid", paper_grid=Fals
 
 
 def fit_power_law(C, R, c_min=None, c_max=None):
-    """R = A - D / C**B with A <= 1 (choice 5): for a fixed B, (A, D) by linear least squares; B on a log-grid, then
-    refined between the best value's grid neighbours."""
+    """R = A - D / C**B with A <= 1 (choice 5): (A, D) by linear least squares for each B, B on a log-grid, refined."""
     C, R = _window(C, R, c_min, c_max)
     def solve(b):
         x = C ** -b
@@ -196,37 +179,26 @@ def fit_power_law(C, R, c_min=None, c_max=None):
     lo, hi = grid[max(j - 1, 0)], grid[min(j + 1, len(grid) - 1)]
     B = float(np.exp(minimize_scalar(lambda g: solve(np.exp(g))[2], bounds=(lo, hi), method="bounded").x))
     A, D, sse = solve(B)
-    return PowerLawFit(float(A), float(D), B, sse, float(np.sqrt(sse / len(C))), (float(C.min()), float(C.max())),
-                       len(C))
+    return PowerLawFit(float(A), float(D), B, sse, float(np.sqrt(sse / len(C))))
 
 
-@dataclass
-class ExtrapolationCheck:
-    """Errors on the points after the fit window; final_err is signed: prediction minus measurement."""
-    fit: SigmoidFit
-    max_abs_err: float
-    mean_abs_err: float
-    final_err: float
-    n_fit: int
-    n_test: int
+# The errors on the points after the fit window; final_err is signed: prediction minus measurement.
+ExtrapolationCheck = namedtuple("ExtrapolationCheck", "fit max_abs_err mean_abs_err final_err n_test")
 
 
 def extrapolation_check(C, R, R0, fit_fraction=0.5, fit_until=None, **fit_kw):
-    """Fit on C <= fit_until (default: fit_fraction of the budget, the paper's half), measure the error of the
-    prediction on the later points (choice 3). fit_kw go to fit_sigmoid."""
+    """Fit on C <= fit_until (default: fit_fraction of the budget), measure the prediction's error after (choice 3)."""
     C, R = np.asarray(C, dtype=float), np.asarray(R, dtype=float)
     cut = fit_until if fit_until is not None else fit_fraction * C.max()
     fit = fit_sigmoid(C, R, R0, c_max=cut, **fit_kw)
     test = C > cut
     _check(test.any(), f"no points after the fit window (C <= {cut:.4g}) to check the extrapolation on")
     err = fit.predict(C[test]) - R[test]
-    return ExtrapolationCheck(fit, float(np.abs(err).max()), float(np.abs(err).mean()), float(err[-1]),
-                              fit.n_points, int(test.sum()))
+    return ExtrapolationCheck(fit, float(np.abs(err).max()), float(np.abs(err).mean()), float(err[-1]), int(test.sum()))
 
 
 def slope_transform(C, R, A, R0):
-    """(log C, log((R - R0) / (A - R))): on the fitted curve a line of slope B crossing 0 at log C_mid (Fig. 7).
-    NaN where R is not strictly between R0 and A."""
+    """(log C, log((R - R0) / (A - R))), NaN unless R0 < R < A: on the curve, a line of slope B through log C_mid."""
     C, R = np.asarray(C, dtype=float), np.asarray(R, dtype=float)
     ok = (C > 0) & (R > R0) & (R < A)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -234,9 +206,8 @@ def slope_transform(C, R, A, R0):
 
 
 def plot_runs(runs, path, power_law=False, fit_until=None, xlabel="compute (device-hours)"):
-    """Pass rate against log compute for several runs, saved to path; returns the figure. runs: dicts with label, C,
-    R, R0 and optionally fit (SigmoidFit) and power (PowerLawFit); missing fits are made on C <= fit_until. Filled
-    points: the fit window; solid: the fit; dashed: the extrapolation; band: A +- 0.02, the noise margin."""
+    """Pass rate against log compute, saved to path; returns the figure. runs: dicts of label, C, R, R0, fit and power
+    (else fitted here on C <= fit_until). Filled points: the fit window; dashed: extrapolation; band: A +- 0.02."""
     # No pyplot: draws headless and leaves the caller's backend alone.
     from matplotlib.figure import Figure
     from matplotlib.ticker import LogFormatterSciNotation, LogLocator, NullFormatter
@@ -283,54 +254,37 @@ def _log_lines(path):
         return path, [(i + 1, s) for i, s in enumerate(f) if s.strip()]
 
 
-def _jsonl_rows(path, lines, strict=True):
-    """(line number, row) of a metrics.jsonl. strict: a bad line is an error, but a torn last line (a run killed
-    mid-write) is skipped with a warning; not strict: bad lines are skipped silently."""
+def _jsonl_rows(path, lines):
+    """(line number, row) of a metrics.jsonl's rows; a torn last line (a kill mid-write) is skipped with a warning."""
     for n, line in lines:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            _check(not strict or n == lines[-1][0], f"{path}:{n}: not valid JSON ({e.msg})")
-            if strict:
-                print(f"warning: {path}:{n}: ignoring a torn last line ({e.msg})", file=sys.stderr)
+            _check(n == lines[-1][0], f"{path}:{n}: not valid JSON ({e.msg})")
+            print(f"warning: {path}:{n}: ignoring a torn last line ({e.msg})", file=sys.stderr)
             continue
-        yield n, row
-
-
-def _is_number(cell):
-    try:
-        return float(cell) is not None
-    except ValueError:
-        return False
+        if isinstance(row, dict):
+            yield n, row
 
 
 def _csv_rows(path, lines, compute_key, metric_key):
-    """(line number, compute, metric) of a CSV, columns by the header's names; headerless (a first row of numbers):
-    compute,pass_rate. Without the default compute column, the one other column that could be compute (an index
-    such as `step` cannot) is taken, with a note."""
+    """(line number, compute, metric) of a CSV by its first row's column names (`compute` stands for device_hours)."""
     table = [(n, [c.strip() for c in next(csv.reader([line]))]) for n, line in lines]
-    header = bool(table) and not any(map(_is_number, table[0][1]))
-    if table and not header and len(table[0][1]) != 2:
-        raise ValueError(f"{path}: {len(table[0][1])} columns and no header; add a header row naming the columns "
-                         "(then --compute and --metric pick them)")
-    names, table = (table[0][1], table[1:]) if header else ([compute_key, metric_key], table)
+    names = table.pop(0)[1] if table else [compute_key, metric_key]
+    _check(not any(re.fullmatch(r"[-+.\deE]+|nan|inf", c) for c in names),
+           f"{path}: the first row holds numbers, not column names; add a header row, e.g. compute,pass_rate")
+    if compute_key == "device_hours" and compute_key not in names and "compute" in names:
+        compute_key = "compute"
     missing = f"{path} has no column {{!r}} (columns: {', '.join(names)}); pass {{}}"
     _check(metric_key in names, missing.format(metric_key, "--metric=NAME"))
-    others = [c for c in names if c != metric_key and c.lower() not in ("", "step", "epoch", "index", "iter",
-                                                                          "iteration")]
-    if compute_key not in names and compute_key == "device_hours" and len(others) == 1:
-        compute_key = others[0]
-        # The documented `compute,pass_rate` is taken silently.
-        if compute_key != "compute":
-            print(f"note: {path}: no column 'device_hours'; using {compute_key!r} as compute", file=sys.stderr)
-    hint = f"--compute with one of {', '.join(others)}" if len(others) > 1 else f"--compute={(others or ['NAME'])[0]}"
-    _check(compute_key in names, missing.format(compute_key, hint))
+    _check(compute_key in names, missing.format(compute_key, "--compute=NAME"))
     cols = names.index(compute_key), names.index(metric_key)
-    want = f"numbers in columns {compute_key!r} and {metric_key!r}" if header else "two numbers 'compute,pass_rate'"
     for n, cells in table:
-        _check(len(cells) == len(names) and all(_is_number(cells[c]) for c in cols),
-               f"{path}:{n}: expected {want}, got {','.join(cells)!r}")
-        yield n, float(cells[cols[0]]), float(cells[cols[1]])
+        try:
+            yield n, float(cells[cols[0]]), float(cells[cols[1]])
+        except (ValueError, IndexError):
+            raise ValueError(f"{path}:{n}: expected numbers in columns {compute_key!r} and {metric_key!r}, got "
+                             f"{','.join(cells)!r}") from None
 
 
 def read_points(path, compute_key="device_hours", metric_key="pass_rate"):
@@ -342,7 +296,7 @@ def read_points(path, compute_key="device_hours", metric_key="pass_rate"):
     else:
         rows = []
         for n, row in _jsonl_rows(path, lines):
-            if isinstance(row, dict) and metric_key in row:
+            if metric_key in row:
                 _check(all(isinstance(row.get(k), (int, float)) for k in (compute_key, metric_key)),
                        f"{path}:{n}: eval row needs numbers {compute_key!r} and {metric_key!r}")
                 rows.append((n, float(row[compute_key]), float(row[metric_key])))
@@ -358,16 +312,16 @@ def read_points(path, compute_key="device_hours", metric_key="pass_rate"):
 
 
 def per_task_metrics(path):
-    """The `pass_rate_<task>` columns of a run's metrics.jsonl, in order of first appearance."""
-    rows = [row for _, row in _jsonl_rows(*_log_lines(path), strict=False) if isinstance(row, dict)]
-    return list(dict.fromkeys(k for row in rows for k in row if k.startswith("pass_rate_")))
+    """The `pass_rate_<task>` columns of a run's metrics.jsonl, in order of first appearance (none in a CSV)."""
+    path, lines = _log_lines(path)
+    rows = [] if path.lower().endswith(".csv") else _jsonl_rows(path, lines)
+    return list(dict.fromkeys(k for _, row in rows for k in row if k.startswith("pass_rate_")))
 
 
 def analyze(paths, plot=None, fit_until=None, c_min=None, r0=None, power_law=False, metric_key="pass_rate",
             compute_key="device_hours"):
     """The report on every run: the fit, A's bootstrap spread, the extrapolation check. paths: run directories or
-    files, or (path, metric) for one task's curve of a multi-task run. A run too short to fit is noted under the
-    table; it is an error only if no run can be fitted."""
+    files, or (path, metric) for one task's curve. A run too short to fit is noted, an error if no run can be fit."""
     runs, skipped, notes = [], [], []
     table = [f"{'run':<28} {'n':>4} {'window':>19} {'R0':>6} {'A':>6} {'A 90% (boot)':>13} {'B':>5} {'C_mid':>9} "
              f"{'rmse':>7}"]
@@ -398,9 +352,9 @@ def analyze(paths, plot=None, fit_until=None, c_min=None, r0=None, power_law=Fal
                          " A is an extrapolation, train longer to pin it down.")
         try:
             ex = extrapolation_check(C, R, R0, fit_until=fit_until, c_min=c_min, n_boot=0)
-            notes.append(f"  extrapolation: fit on C <= {ex.fit.window[1]:.3g} ({ex.n_fit} points, A={ex.fit.A:.3f}), "
-                         f"predict {ex.n_test} later points: max |err| {ex.max_abs_err:.4f}, mean "
-                         f"{ex.mean_abs_err:.4f}, final {ex.final_err:+.4f} (prediction - measured)")
+            notes.append(f"  extrapolation: fit on C <= {ex.fit.window[1]:.3g} ({ex.fit.n_points} points, "
+                         f"A={ex.fit.A:.3f}), predict {ex.n_test} later points: max |err| {ex.max_abs_err:.4f}, "
+                         f"mean {ex.mean_abs_err:.4f}, final {ex.final_err:+.4f} (prediction - measured)")
         except ValueError as e:
             notes.append(f"  extrapolation check skipped: {e}")
         if power is not None:
@@ -417,7 +371,7 @@ def analyze(paths, plot=None, fit_until=None, c_min=None, r0=None, power_law=Fal
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Fit the ScaleRL compute-performance sigmoid to run logs.")
-    ap.add_argument("paths", nargs="+", help="metrics.jsonl, run directory or CSV (headerless: compute,pass_rate)")
+    ap.add_argument("paths", nargs="+", help="metrics.jsonl, run directory or CSV (header: compute,pass_rate)")
     ap.add_argument("--fit-until", type=float, help="fit on compute <= X, check the prediction after it")
     ap.add_argument("--c-min", type=float, help="exclude points with compute < X (paper: 1.5k GPU-hours)")
     ap.add_argument("--r0", type=float, help="pass rate before RL (default: the log's row at compute 0)")

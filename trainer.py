@@ -1,14 +1,9 @@
 """trainer.py: the training side of ScaleRL, one optimizer step at a time. The paper's choices made here:
-  1. Rollout tensors: forced interruption tokens stay in the context but out of the loss (App. A.10); the generator's
-     logprobs are aligned with the target positions for the importance ratio (Sec. 3.1).
-  2. `Policy`: the trainer's forward as one module call, the body in its dtype and the LM head in FP32 (Sec. 3.2,
-     Fig. 5b), logprobs after the sampling temperature.
-  3. `policy_gradient`: the RL loss (losses.py; CISPO by default, Sec. 3.2) over token-budget micro-batches;
-     advantages and aggregation weights come from the whole batch, so gradients accumulate exactly.
+  1. `rollout_tensors`: the generator's logprobs for the ratio (Sec. 3.1); forced tokens out of the loss (App. A.10).
+  2. `Policy`: the body in its dtype, the LM head in FP32 (Sec. 3.2, Fig. 5b); logprobs after the temperature.
+  3. `policy_gradient`: the RL loss (losses.py; CISPO by default, Sec. 3.2) over micro-batches that add up exactly.
   4. `train_step`: AdamW with linear warm-up and gradient clipping, no KL term (App. A.3); a non-finite step is skipped.
   5. `warm_start`: the tiny model's cached supervised warm start (the paper starts RL from an SFT model).
-
-The generating side is pipeline_rl.py, scalerl.py wires the two; FSDP2 and the run's record live in infra/.
 """
 import contextlib
 import hashlib
@@ -23,16 +18,17 @@ import torch
 import data
 import losses
 
+# part of the warm start cache's key: raise it when the warm start's recipe changes
+WARM_START_VERSION = 1
+
 
 def sequence_batch(seqs, starts, pad_id):
     """Right-padded (N, L) ids, (N, L) attention mask, and the (N, L-1) mask of trainable target positions."""
     L = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
-    att = torch.zeros(len(seqs), L, dtype=torch.long)
+    ids, att = torch.full((len(seqs), L), pad_id, dtype=torch.long), torch.zeros(len(seqs), L, dtype=torch.long)
     for i, s in enumerate(seqs):
         ids[i, :len(s)], att[i, :len(s)] = torch.tensor(s), 1
-    pos = torch.arange(1, L)[None]
-    tmask = (pos >= torch.tensor(starts)[:, None]) & att[:, 1:].bool()
+    tmask = (torch.arange(1, L)[None] >= torch.tensor(starts)[:, None]) & att[:, 1:].bool()
     return ids, att, tmask.float()
 
 
@@ -50,8 +46,7 @@ def rollout_tensors(samples, pad_id):
 
 
 class Head(torch.nn.Module):
-    """The LM head as a module: logprobs (N, T) of `targets` after temperature, in `dtype` (the FP32 head, Sec. 3.2).
-    Under FSDP2 an untied head is a unit of its own, kept in that dtype while the body computes in the body dtype."""
+    """The LM head as a module (untied: its own FSDP2 unit), in `dtype`: logprobs (N, T) of `targets` (Sec. 3.2)."""
     def __init__(self, linear, temperature, dtype):
         super().__init__()
         self.linear, self.temperature, self.dtype = linear, temperature, dtype
@@ -63,8 +58,7 @@ class Head(torch.nn.Module):
 
 class Policy(torch.nn.Module):
     """The trainer's forward as one module call (FSDP2's hooks gather every weight it uses): logprobs (N, L-1) of ids
-    (N, L). With a body dtype below fp32 the parameters are fp32 masters and FSDP2's mixed precision (infra.dist.shard,
-    one process included) runs the body on a bf16 copy, as the generator does, and the head in its own dtype."""
+    (N, L). Below fp32, FSDP2 (infra.dist.shard, one process too) runs the body on a copy of the fp32 masters."""
     def __init__(self, lm, temperature, head_dtype=torch.float32, pad_id=0, body_dtype=torch.float32):
         super().__init__()
         self.lm, self.head, self.pad_id = lm, Head(lm.lm_head, temperature, head_dtype), pad_id
@@ -77,9 +71,8 @@ class Policy(torch.nn.Module):
         return self.head(hidden[:, :-1], ids[:, 1:])
 
     def weights(self):
-        """What the generators load, as (name, tensor, dtype): the body in its dtype, an untied head in the head's
-        (Sec. 3.2). A plain parameter comes as it is, for the consumer to cast while it copies; an FSDP2 one is
-        gathered one at a time, already cast (every trainer rank must consume it: an all-gather per parameter)."""
+        """What the generators load, (name, tensor, dtype): the body in its dtype, an untied head in its own (Sec. 3.2).
+        An FSDP2 parameter comes gathered and cast (all trainer ranks must consume it), a plain one as it is."""
         for name, p in self.lm.named_parameters():
             dtype = self.head.dtype if name == "lm_head.weight" else self.body_dtype
             yield name, p.detach().to(dtype).full_tensor() if hasattr(p, "full_tensor") else p.detach(), dtype
@@ -90,7 +83,7 @@ class Policy(torch.nn.Module):
 
 
 def micro_batches(order, lengths, budget):
-    """Runs of `order` (sorted by length) that fit `budget` tokens once padded to their longest (the last)."""
+    """Runs of `order` (sorted by length: little padding) that fit `budget` tokens padded to their last, longest one."""
     out = []
     for i in order:
         if out and (len(out[-1]) + 1) * lengths[i] <= budget:
@@ -101,18 +94,14 @@ def micro_batches(order, lengths, budget):
 
 
 def policy_gradient(policy, samples, adv, cfg, rank=0, world=1):
-    """Backward of the RL loss (Sec. 3.2) on `samples` with advantages `adv` (N,) into .grad, over token-budget
-    micro-batches. This rank takes every world-th completion by length; with weights from the whole batch the ranks'
-    gradients sum to the one-process one. Returns this rank's loss, token-weighted diagnostic sums, largest ratio."""
-    # the loss's options; a negative eps_low / eps_high keeps the loss's default
-    opts = {"eps_max": cfg.eps_max} if cfg.loss == "cispo" else {
-        k: v for k, v in (("eps_low", cfg.eps_low), ("eps_high", cfg.eps_high)) if v >= 0}
+    """Backward of the RL loss (Sec. 3.2) into .grad over token-budget micro-batches of every world-th completion by
+    length (whole-batch weights: the ranks' gradients add up). Returns loss, token-weighted sums, max ratio."""
+    # the loss's options (eps_max; eps_low, eps_high) from cfg: a negative one keeps the loss's default
+    opts = {k: getattr(cfg, k) for k in losses.DEFAULTS[cfg.loss] if getattr(cfg, k) >= 0}
     dev = next(policy.parameters()).device
-    ids, att, tmask, gen_logp = (t.to(dev) for t in rollout_tensors(samples, policy.pad_id))
-    adv, gid = adv.to(dev), torch.tensor([s.group for s in samples], device=dev)
-    weights = losses.aggregation_weights(tmask, gid, how=cfg.agg)
+    ids, att, tmask, gen_logp, adv = (t.to(dev) for t in (*rollout_tensors(samples, policy.pad_id), adv))
+    weights = losses.aggregation_weights(tmask, torch.tensor([s.group for s in samples], device=dev), how=cfg.agg)
     lengths = att.sum(1).tolist()
-    # similar lengths together: little padding
     order = sorted(range(len(samples)), key=lengths.__getitem__)
     plans = [micro_batches(order[r::world], lengths, cfg.micro_batch_tokens) for r in range(world)]
     policy.train()
@@ -128,17 +117,15 @@ def policy_gradient(policy, samples, adv, cfg, rank=0, world=1):
                                         tmask[mb, :L - 1], weights[mb, :L - 1], loss=cfg.loss, **opts)
         loss.backward()
         total += loss.item()
-        for k in ("clip_frac", "ratio_mean", "mismatch_kl"):
-            sums[k] += diag[k] * diag["n_tokens"]
-        sums["n_tokens"] += diag["n_tokens"]
+        for k in sums:
+            sums[k] += diag[k] if k == "n_tokens" else diag[k] * diag["n_tokens"]
         ratio_max = max(ratio_max, diag["ratio_max"])
     return total, sums, ratio_max
 
 
 def train_step(policy, opt, groups, cfg, step, comm=None):
-    """One optimizer step on the kept groups (App. A.3). A non-finite loss or gradient skips the update (one bad batch
-    must not poison the weights and Adam's moments). `comm` (infra.dist, several trainer ranks): this rank's share of
-    the completions, the metrics reduced. Returns the loss and token-averaged diagnostics, the same on every rank."""
+    """One optimizer step on the kept groups (App. A.3), skipped if the loss or gradient is non-finite (a bad batch
+    must not poison weights or Adam's moments). `comm`: several trainer ranks (infra.dist); metrics agree on all."""
     lr = cfg.lr * min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
     for group in opt.param_groups:
         group["lr"] = lr
@@ -184,10 +171,6 @@ def tiny_model(cfg, vocab_size):
     return LlamaForCausalLM(mc)
 
 
-# part of the warm start cache's key: raise it when the warm start's recipe changes
-WARM_START_VERSION = 1
-
-
 def warm_start(cfg, model, tok, out_root):
     """Supervised warm start on the task's traces (some wrong on purpose), cached so later runs reuse it."""
     if cfg.sft_steps == 0 or cfg.model != "tiny":
@@ -212,9 +195,8 @@ def warm_start(cfg, model, tok, out_root):
     t0 = time.time()
     model.train()
     for it in range(cfg.sft_steps):
-        lr = cfg.sft_lr * min(1.0, (it + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * it / cfg.sft_steps)))
-        for group in opt.param_groups:
-            group["lr"] = lr
+        cosine = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * it / cfg.sft_steps))
+        opt.param_groups[0]["lr"] = cfg.sft_lr * min(1.0, (it + 1) / 50) * cosine
         ps = rng.sample(traces, cfg.sft_batch)
         prompts = [data.encode(tok, data.format_prompt(p.question, tok)) for p in ps]
         seqs = [pr + data.encode(tok, data.format_target(p)) + [tok.eos_token_id] for pr, p in zip(prompts, ps)]
@@ -234,7 +216,6 @@ def warm_start(cfg, model, tok, out_root):
             eta = (time.time() - t0) / (it + 1) * (cfg.sft_steps - it - 1)
             print(f"warm start {it:4d}/{cfg.sft_steps} | loss {loss:.3f} | {time.time() - t0:.0f}s | eta "
                   f"{eta / 60:.1f}m", flush=True)
-    model.zero_grad(set_to_none=True)  # else the last SFT gradient would leak into the first RL step's
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"  # the cache is shared: runs started side by side each write their own
     torch.save(model.state_dict(), tmp)

@@ -26,7 +26,7 @@ import data  # noqa: E402
 import scalerl  # noqa: E402
 import trainer  # noqa: E402
 from infra import run  # noqa: E402
-from infra.dist import Staging, TrainerLink, counter, dist_init, receive_weights  # noqa: E402
+from infra.dist import TrainerLink, counter, dist_init, receive_weights  # noqa: E402
 from runs.plan import KNOWN_SHAPES  # noqa: E402
 
 
@@ -78,11 +78,10 @@ def main():
         base, peak = rss_mb(), 0.0
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset the peak resident memory (VmHWM) to the current
-        staging = Staging()  # reused by every update, as in run_generator
         for v in range(1, args.repeats + 1):
             while counter(job, "version") < v:
                 time.sleep(1e-4)  # (a longer sleep would time the poll, not the update)
-            receive_weights(job, engine, v, bucket, staging=staging)
+            receive_weights(job, engine, v, bucket)
         peak = rss_mb("VmHWM") - base
     dist.barrier()
     raw = torch.empty(int(nbytes) if job.rank == 0 else 0, dtype=torch.uint8)  # the same bytes, one tensor

@@ -1,14 +1,12 @@
 """infra/dist.py: torchrun. Ranks 0..T-1 train (FSDP2 over them; rank 0 also logs, evaluates, checkpoints and
 publishes weights), ranks T..W-1 generate; a plain `python scalerl.py` is a world of one and needs none of this.
-
-What it guarantees:
 - Every wait on another rank is bounded by --dist_timeout and ends the process with one line naming what it waited
-  for (`waiting_for`, `die`); gloo cannot poll a receive, so each blocking wait has its time-out.
+  for (`waiting_for`, `gave_up`); gloo cannot poll a receive, so each blocking wait has its time-out.
 - Rollouts travel generator -> trainer rank 0 on a process group per generator, never holding up a weight broadcast;
   the policy version and the admission counters live in the job's TCPStore.
 - Weights reach the generator ranks after every optimizer step in buckets of at most --sync_bucket_mb (a decoder
-  layer never split), each broadcast from one of two reused buffers while the next is packed; each engine loads a
-  bucket as it lands, between its engine steps (Sec. 3.1). No file, no full-model buffer.
+  layer never split), each broadcast while the next is packed; each engine loads a bucket as it lands, between its
+  engine steps (Sec. 3.1). No file, no full-model buffer.
 - A generator rank that cannot write its --resume state ends the job with one line (no `fail`: it has threads); no
   temporary is left, the last good file is kept.
 - FSDP2 (`shard`): fp32 master weights, gradients and AdamW; the body computed in the body dtype, an untied head its
@@ -69,14 +67,12 @@ def dist_init(gen_ranks=0, timeout=60.0, gen_share=0.5):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # one GPU per rank (NCCL needs it set first)
     dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
                             timeout=timedelta(seconds=max(timeout, 1800)))  # start-up only, long warm start included
-    job = Dist(dist.get_rank(), world, trainers, generators, timeout)
     t = timedelta(seconds=timeout)
-    job.groups["trainer"] = dist.new_group(job.trainers, timeout=t)
-    job.groups["weights"] = dist.new_group([0] + job.generators, timeout=t)
-    for rank in job.generators:  # pickled rollouts are CPU bytes: gloo even where weights go over NCCL
-        job.groups[rank] = dist.new_group([0, rank], timeout=t, backend="gloo")
-    job.store = dist.distributed_c10d._get_default_store()
-    return job
+    groups = dict(trainer=dist.new_group(trainers, timeout=t), weights=dist.new_group([0] + generators, timeout=t))
+    for rank in generators:  # pickled rollouts are CPU bytes: gloo even where weights go over NCCL
+        groups[rank] = dist.new_group([0, rank], timeout=t, backend="gloo")
+    store = dist.distributed_c10d._get_default_store()
+    return Dist(dist.get_rank(), world, trainers, generators, timeout, groups, store)
 
 
 def local_group():
@@ -110,6 +106,11 @@ def waiting_for(job, what):
         die(f"{job.name} gave up waiting for {what}: {first_line(e)}")
 
 
+def gave_up(job, what, why=""):
+    """A wait that passed --dist_timeout ends the process: `die`."""
+    die(f"{job.name} gave up waiting for {what} after {job.timeout:.0f} s{why}")
+
+
 def counter(job, key, add=0):
     """A job-wide integer in the TCPStore: add `add` atomically, return the new value (add=0 reads it)."""
     with waiting_for(job, f"the job's TCPStore (counter {key!r})"):
@@ -140,21 +141,11 @@ def send_groups(job, msg):
             dist.send(t, dst=0, group=job.groups[job.rank])
 
 
-def recv_groups(job, src):
-    """Trainer rank 0's end: no time-out of its own (the inbox's watches); a dead generator makes it raise at once."""
-    n = torch.zeros(1, dtype=torch.long)
-    dist.irecv(n, src=src, group=job.groups[src]).wait(timeout=timedelta(days=1))
-    payload = torch.empty(int(n), dtype=torch.uint8)
-    dist.irecv(payload, src=src, group=job.groups[src]).wait(timeout=timedelta(days=1))
-    return pickle.loads(payload.numpy().tobytes())
-
-
 def buckets(named, limit):
     """Runs of (name, tensor, dtype) of one dtype, about `limit` bytes each in that dtype, alike on trainer rank 0 and
     on every generator rank. A bucket passes `limit` by at most the rest of a decoder layer (vLLM loads whole ones)."""
-    def unit(name):  # model.layers.3.mlp.up_proj.weight -> model.layers.3
-        parts = name.split(".")
-        return ".".join(parts[:3]) if len(parts) > 3 and parts[1] == "layers" else name
+    def unit(name):  # model.layers.3.mlp.up_proj.weight -> model.layers.3 (model.norm.weight: itself)
+        return ".".join(name.split(".")[:3])
     run, size = [], 0
     for name, t, dtype in named:
         nbytes = t.numel() * dtype.itemsize
@@ -167,20 +158,10 @@ def buckets(named, limit):
         yield run
 
 
-class Staging:
-    """Byte buffers that every weight update reuses, grown when a bucket needs more: a new buffer per bucket pays its
-    page faults each time, which on a CPU host cost more than the broadcast itself (bench/weight_sync.py)."""
-    def __init__(self):
-        self.bufs = {}
-
-    def __call__(self, i, run, device):
-        """Buffer i's first bytes as one flat tensor of the bucket's numel and dtype."""
-        numel, dtype, device = sum(t.numel() for _, t, _ in run), run[0][2], torch.empty(0, device=device).device
-        buf = self.bufs.get(i)
-        if buf is None or buf.numel() < numel * dtype.itemsize or buf.device != device:
-            self.bufs[i] = buf = None  # (the old one goes first)
-            self.bufs[i] = buf = torch.empty(numel * dtype.itemsize, dtype=torch.uint8, device=device)
-        return buf[:numel * dtype.itemsize].view(dtype)
+def new_bucket(run, device):
+    """A new flat tensor for bucket `run` (its dtype, on `device`) and its view of each tensor of the run."""
+    flat = torch.empty(sum(t.numel() for _, t, _ in run), dtype=run[0][2], device=device)
+    return flat, flat.split([t.numel() for _, t, _ in run])
 
 
 class TrainerLink(BatchSource):
@@ -189,7 +170,7 @@ class TrainerLink(BatchSource):
     def __init__(self, job, *, k, batch_prompts, bucket_bytes):
         super().__init__(k, batch_prompts)
         self.job, self.bucket_bytes = job, bucket_bytes
-        self.inbox, self.pending, self.staging = queue.Queue(), None, Staging()
+        self.inbox, self.pending = queue.Queue(), None
         # group id -> kept by the zero-variance filter; generator rank -> its info(); version -> its eval's log row
         self.kept, self.info, self.asked = {}, {}, {}
         self.threads = [threading.Thread(target=self._receive, args=(rank,), daemon=True)
@@ -198,8 +179,15 @@ class TrainerLink(BatchSource):
             t.start()
 
     def _receive(self, src):
+        """send_groups' other end: no time-out of its own (next_batch's); a dead generator makes it raise at once."""
+        group, n = self.job.groups[src], torch.zeros(1, dtype=torch.long)
         try:
-            while (msg := recv_groups(self.job, src)) is not None:
+            while True:
+                dist.irecv(n, src=src, group=group).wait(timeout=timedelta(days=1))
+                payload = torch.empty(int(n), dtype=torch.uint8)
+                dist.irecv(payload, src=src, group=group).wait(timeout=timedelta(days=1))
+                if (msg := pickle.loads(payload.numpy().tobytes())) is None:
+                    return
                 self.info[src] = msg[1]
                 for kept, g in msg[0]:
                     self.kept[g[0].group] = kept
@@ -216,8 +204,7 @@ class TrainerLink(BatchSource):
         try:
             g = self.inbox.get(timeout=self.job.timeout)
         except queue.Empty:
-            die(f"{self.job.name} gave up waiting for rollouts from generator ranks {self.job.generators} after "
-                f"{self.job.timeout:.0f} s")
+            gave_up(self.job, f"rollouts from generator ranks {self.job.generators}")
         if isinstance(g, str):
             die(f"{self.job.name} lost {g}")
         return g
@@ -227,7 +214,7 @@ class TrainerLink(BatchSource):
 
     def push_weights(self, policy):
         """Every trainer rank takes part in each gather of `policy.weights()` ((name, tensor, dtype)); trainer rank 0
-        publishes the version, then broadcasts the buckets, each cast while copied into one of two buffers."""
+        publishes the version, then broadcasts the buckets, each packed while the one before is in flight."""
         self.version += 1
         weights = policy.weights()
         if self.job.rank != 0:
@@ -236,15 +223,11 @@ class TrainerLink(BatchSource):
             return
         self._land()
         counter(self.job, "version", 1)
-        for i, run in enumerate(buckets(weights, self.bucket_bytes)):
-            if len(run) == 1 and run[0][1].numel() * run[0][2].itemsize > self.bucket_bytes:
-                # larger than a bucket: a copy of its own, never the live parameter (the next step changes it)
-                flat = run[0][1].reshape(-1).to(run[0][2], copy=True)
-            else:
-                # the broadcast i - 2 sent from this buffer has landed; copy_ casts without torch.cat's temporary
-                flat = self.staging(i % 2, run, run[0][1].device)
-                for x, (_, t, _) in zip(flat.split([t.numel() for _, t, _ in run]), run):
-                    x.copy_(t.reshape(-1))
+        for run in buckets(weights, self.bucket_bytes):
+            # a copy, never the live parameters (the next step changes them); copy_ casts without torch.cat's temporary
+            flat, parts = new_bucket(run, run[0][1].device)
+            for x, (_, t, _) in zip(parts, run):
+                x.copy_(t.reshape(-1))
             self._land()
             self.flat = flat  # alive until it lands
             self.pending = dist.broadcast(flat, src=0, group=self.job.groups["weights"], async_op=True)
@@ -265,8 +248,8 @@ class TrainerLink(BatchSource):
                 if not wait:
                     return out
                 if time.time() - t > self.job.timeout:
-                    die(f"{self.job.name} gave up waiting for the held-out pass rate of policy version {v} from "
-                        f"generator ranks {self.job.generators} after {self.job.timeout:.0f} s")
+                    gave_up(self.job, f"the held-out pass rate of policy version {v} from generator ranks "
+                            f"{self.job.generators}")
                 time.sleep(0.01)
             out.append((self.asked.pop(v), [r for key in keys for r in json.loads(self.job.store.get(key))]))
             for key in keys + [f"eval/{v}"]:
@@ -277,7 +260,7 @@ class TrainerLink(BatchSource):
         if self.pending is not None:
             with waiting_for(self.job, f"generator ranks {self.job.generators} to take the last weight broadcast"):
                 self.pending.wait()
-            self.pending = None
+            self.pending = self.flat = None  # the bucket is freed once it landed
 
     def totals(self):
         """Generation so far over all generator ranks: the furthest epoch, sums of the rest."""
@@ -294,31 +277,28 @@ class TrainerLink(BatchSource):
             for rank, thread in zip(self.job.generators, self.threads):
                 thread.join(self.job.timeout)
                 if thread.is_alive():
-                    die(f"{self.job.name} gave up waiting for generator rank {rank} to stop after "
-                        f"{self.job.timeout:.0f} s")
+                    gave_up(self.job, f"generator rank {rank} to stop")
 
 
-def receive_weights(job, engine, version, bucket_bytes, take=True, staging=None):
+def receive_weights(job, engine, version, bucket_bytes, take=True):
     """A generator rank's end of TrainerLink.push_weights (`take` False: received, not loaded). The PyTorch engine
-    receives each bucket into its parameters; vLLM, and a version not taken, into `staging`'s one buffer."""
-    staging = staging or Staging()
+    receives each bucket into its parameters; vLLM, and a version not taken, into a new one (on the GPU for NCCL)."""
     in_place = take and hasattr(engine, "landing")
     for run in buckets(((n, p, p.dtype) for n, p in engine.model.named_parameters()), bucket_bytes):
-        flat = engine.landing(run) if in_place else staging(0, run, engine.device)  # NCCL needs it on the GPU
+        flat, parts = (engine.landing(run), None) if in_place else new_bucket(run, engine.device)
         with waiting_for(job, f"policy version {version} from trainer rank 0"):
             dist.broadcast(flat, src=0, group=job.groups["weights"])
         if in_place:
             engine.version = version
         elif take:
-            parts = zip(flat.split([t.numel() for _, t, _ in run]), run)
-            engine.load_weights({n: x.view(t.shape) for x, (n, t, _) in parts}, version)
+            engine.load_weights({n: x.view(t.shape) for x, (n, t, _) in zip(parts, run)}, version)
 
 
 def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_path, save_every, bucket_bytes,
                   evaluate=None):
     """A generator rank until trainer rank 0 says stop. Each turn: take the published weights, evaluate a version asked
     for (`evaluate(seed)` -> results), send the scored groups, admit groups under the lag bound, one engine step."""
-    engine, staging, evaluated = rollouts.engine, Staging(), set()
+    engine, evaluated = rollouts.engine, set()
     scorer, scoring = ThreadPoolExecutor(1, thread_name_prefix="score"), []  # [(future, groups)] in finishing order
     # a resumed run starts at the checkpoint's version; next_group: taken from the counter, not started yet
     received, saved, next_group, idle_since = engine.version, None, None, None
@@ -335,7 +315,7 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
     while True:
         stop = counter(job, "stop")  # read before the version: every broadcast published before the stop is received
         for v in range(received + 1, counter(job, "version") + 1):
-            receive_weights(job, engine, v, bucket_bytes, take=mode == "pipeline" or v % k == 0, staging=staging)
+            receive_weights(job, engine, v, bucket_bytes, take=mode == "pipeline" or v % k == 0)
             received = v
             held_out(v)
         held_out(received)  # trainer rank 0 asks once it published the version (the start's: once it started)
@@ -371,8 +351,8 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
         if not engine.busy:
             idle_since = idle_since or time.time()
             if time.time() - idle_since > job.timeout:
-                die(f"{job.name} gave up waiting for policy version {received + 1} from trainer rank 0 after "
-                    f"{job.timeout:.0f} s (the lag bound admits no new group before it)")
+                gave_up(job, f"policy version {received + 1} from trainer rank 0",
+                        " (the lag bound admits no new group before it)")
             time.sleep(0.002)
             continue
         t, n, idle_since = time.time(), engine.stats["tokens"], None

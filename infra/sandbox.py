@@ -1,12 +1,12 @@
 """The code sandbox: runs untrusted programs against stdin/stdout tests, as tightly confined as this machine allows.
 
 `check_program` never raises and passes a program only if every test's output matches. Each runs in a fresh
-`python -I -S` (no site-packages, empty environment) in a temporary directory, removed after; past `time_limit`
-seconds per test every process of the sandbox is killed, also those that left its group. Memory, output, files and
-processes are limited; network, subprocesses, signals refused. `sandbox_mode` picks once the strongest confinement
-that works (what is missing is said on stderr): network and PID namespaces, as root a uid per check, and Landlock:
-no system call (via ctypes, mmap or /proc/self alike) writes a file or reads one outside the standard library. The
-uid or the audit hook refuses metadata changes; the hook is a second line (PEP 578 hooks are no security boundary).
+`python -I -S` with an empty environment in a temporary directory, removed after; past `time_limit` seconds per test
+every process of the sandbox is killed, also those that left its group. Memory, output, files and processes are
+limited; network, subprocesses, signals refused. `sandbox_mode` picks once the strongest confinement that works, and
+says on stderr what is missing: network and PID namespaces, as root a uid per check, and Landlock (no system call
+writes a file or reads one outside the standard library). The uid or the audit hook refuses metadata changes; the
+hook is a second line (PEP 578 hooks are no security boundary).
 """
 import contextlib
 import functools
@@ -26,34 +26,29 @@ from data import CODE_TIME_LIMIT, code_tests
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.S)
 
 
+@functools.lru_cache(maxsize=4096)  # a group often holds the same answer several times: run it once
 def check_answer(problem, text, time_limit):
     """The "code" checker of data.CHECKERS: the program in the answer (its first ```python block when there is one,
     else all of it) against the problem's hidden tests."""
     fenced = _FENCE.search(text)
-    return _code_verdict(fenced[1] if fenced else text, problem.answer, min(time_limit, CODE_TIME_LIMIT))
+    return check_program(fenced[1] if fenced else text, code_tests(problem.answer), min(time_limit, CODE_TIME_LIMIT))
 
 
-@functools.lru_cache(maxsize=4096)  # a group often holds the same program several times: run it once
-def _code_verdict(program, answer, time_limit):
-    return check_program(program, code_tests(answer), time_limit)
-
-
+_MEMORY, _OUTPUT = 512 << 20, 1 << 20  # bytes: a program's address space, and its output per test
 _SANDBOX_MODE, _SANDBOX_LOCK = [], threading.Lock()  # sandbox_mode's answer, found once per process
 _SLOTS = queue.SimpleQueue()  # a uid per concurrent check (as root): a sweep by uid finds only its own processes
 for _slot in range(64):
     _SLOTS.put(_slot)
 
 
-def check_program(program, tests, time_limit=CODE_TIME_LIMIT, memory_mb=512, output_bytes=1 << 20):
-    """True iff `program` (Python source) prints the expected stdout for every (stdin, stdout) test, confined as
-    the module's docstring says. Stops at the first failed test; never raises."""
+def check_program(program, tests, time_limit=CODE_TIME_LIMIT):
+    """True iff `program` (Python source) prints the expected stdout for every (stdin, stdout) test; never raises."""
     try:
         mode = sandbox_mode()
         if mode is None or not isinstance(program, str) or not program.strip() or not tests:
             return False
         tests = [(str(i), str(o)) for i, o in tests]  # 16 tests per interpreter: two open files each
-        return all(_run_tests(program, tests[k:k + 16], float(time_limit), memory_mb << 20, output_bytes, mode)
-                   for k in range(0, len(tests), 16))
+        return all(_run_tests(program, tests[k:k + 16], float(time_limit), mode) for k in range(0, len(tests), 16))
     except Exception:  # noqa: BLE001 -- a verifier never takes down the run
         return False
 
@@ -63,19 +58,18 @@ def sandbox_mode():
     with _SANDBOX_LOCK:
         if not _SANDBOX_MODE:
             root, unshare = os.geteuid() == 0, shutil.which("unshare")
-            namespaces = [unshare] + ([] if root else ["-r"]) + ["-n", "-p", "-f", "--kill-child"] if unshare else None
-            for mode in [(ns, root, landlock) for ns in ([namespaces] if namespaces else []) + [[]]
-                         for landlock in (True, False)]:
-                if _run_tests("import math\nprint(int(input())+1)", [("41\n", "42")], 10.0, 256 << 20, 64, mode):
-                    _SANDBOX_MODE.append(mode)
-                    missing = [what for what, have in (("network and PID namespaces", mode[0]),
-                               ("Landlock (files: permissions and audit hook only)", mode[2])) if not have]
-                    if missing:
-                        print("warning: the code sandbox runs without " + "; without ".join(missing), file=sys.stderr)
-                    break
-            else:  # never run untrusted code as root without a uid of its own
-                _SANDBOX_MODE.append(None)
+            prefixes = [[unshare] + ([] if root else ["-r"]) + ["-n", "-p", "-f", "--kill-child"]] if unshare else []
+            # as root, every mode has a uid of its own: untrusted code never runs as root
+            modes = [(prefix, root, landlock) for prefix in prefixes + [[]] for landlock in (True, False)]
+            canary = ("import math\nprint(int(input())+1)", [("41\n", "42")], 10.0)  # a program, its tests, a limit
+            mode = next((mode for mode in modes if _run_tests(*canary, mode)), None)
+            _SANDBOX_MODE.append(mode)
+            if mode is None:
                 print("warning: no code sandbox works here; every program fails its tests", file=sys.stderr)
+            elif not mode[0] or not mode[2]:
+                missing = [what for what, have in (("network and PID namespaces", mode[0]),
+                           ("Landlock (files: permissions and audit hook only)", mode[2])) if not have]
+                print("warning: the code sandbox runs without " + "; without ".join(missing), file=sys.stderr)
         return _SANDBOX_MODE[0]
 
 
@@ -84,57 +78,51 @@ def sandbox_description():
     mode = sandbox_mode()
     if mode is None:
         return "none works here: every program fails its tests"
-    names, landlock = {"-r": "user", "-n": "net", "-p": "pid"}, "no Landlock"
+    parts = ["namespaces: " + ("user, net, pid" if "-r" in mode[0] else "net, pid") if mode[0] else "no namespaces",
+             f"uids {1_000_000 + os.getpid() % 4_000_000 * 64}+ (one per check)" if mode[1] else f"uid {os.getuid()}",
+             "no Landlock"]
     if mode[2]:
         import ctypes
         abi = ctypes.CDLL(None).syscall(444, None, 0, 1)  # landlock_create_ruleset(LANDLOCK_CREATE_RULESET_VERSION)
-        landlock = f"Landlock ABI {abi} (no file writes; reads: the standard library)"
-    return "; ".join([
-        "namespaces: " + ", ".join(names[f] for f in mode[0] if f in names) if mode[0] else "no namespaces",
-        f"uids {1_000_000 + os.getpid() % 4_000_000 * 64}+ (one per check)" if mode[1] else f"uid {os.getuid()}",
-        landlock, "rlimits", "audit hook"])
+        parts[2] = f"Landlock ABI {abi} (no file writes; reads: the standard library)"
+    return "; ".join(parts + ["rlimits", "audit hook"])
 
 
-def _run_tests(program, tests, time_limit, memory, output_cap, mode):
+def _run_tests(program, tests, time_limit, mode):
     """True iff `program` passes every test, all in one sandboxed interpreter (see _BOOT) run under `mode`."""
     namespaces, own_uid, landlock = mode
-    slot, box, files, proc = _SLOTS.get(), tempfile.mkdtemp(prefix="scalerl-code-"), [], None
-    uid = 1_000_000 + os.getpid() % 4_000_000 * 64 + slot if own_uid else -1
-    try:
+    with contextlib.ExitStack() as cleanup:  # on the way out, in reverse: kill, close files, remove the box, free slot
+        slot = _SLOTS.get()
+        cleanup.callback(_SLOTS.put, slot)
+        box = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="scalerl-code-", ignore_cleanup_errors=True))
         with open(os.path.join(box, "prog.py"), "w", encoding="utf-8") as f:
             f.write(program)
-        for stdin, _ in tests:  # unnamed files: nothing a program could open by a path
-            files += [tempfile.TemporaryFile(dir=box), tempfile.TemporaryFile(dir=box)]  # its stdin, its stdout
-            files[-2].write(stdin.encode())
-            files[-2].seek(0)
+        # each test's stdin and stdout: unnamed files, nothing a program could open by a path
+        files = [cleanup.enter_context(tempfile.TemporaryFile(dir=box)) for _ in range(2 * len(tests))]
+        for (stdin, _), f in zip(tests, files[::2]):
+            f.write(stdin.encode())
+            f.seek(0)
         # RLIMIT_NPROC counts all processes of a uid: 16 with a uid or user namespace of its own, else 16 more
         nproc = 16 if namespaces or own_uid else 16 + sum(int(status["Threads"]) for _, status in _processes(
             lambda pid, status: int(status["Uid"].split()[0]) == os.getuid()))
+        uid = 1_000_000 + os.getpid() % 4_000_000 * 64 + slot if own_uid else -1
         fds = [f.fileno() for f in files]
-        limits = [memory, output_cap + 1, nproc, uid, int(landlock)]
+        limits = [_MEMORY, _OUTPUT + 1, nproc, uid, int(landlock)]
         args = [sys.executable, "-I", "-S", "-c", _BOOT, *map(str, limits + fds)]
-        proc = subprocess.Popen(namespaces + args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, pass_fds=fds, cwd=box, env={"LC_ALL": "C.UTF-8"},
-                                start_new_session=True)
+        proc = cleanup.enter_context(subprocess.Popen(
+            namespaces + args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            pass_fds=fds, cwd=box, env={"LC_ALL": "C.UTF-8"}, start_new_session=True))  # on exit: waited for
+        cleanup.callback(_kill_sandbox, proc.pid, uid, box)
         if not select.select([proc.stdout], [], [], 10.0)[0] or proc.stdout.readline() != b"ready\n":
             return False  # the interpreter did not start: not the program's fault, but a fail
-        for k, (_, want) in enumerate(tests):  # the wall clock of each test runs from the previous report
+        for (_, want), out in zip(tests, files[1::2]):  # the wall clock of each test runs from the previous report
             if not select.select([proc.stdout], [], [], time_limit)[0] or proc.stdout.readline().strip() != b"0":
                 return False
-            files[2 * k + 1].seek(0)
-            got = files[2 * k + 1].read(output_cap + 1)
-            if len(got) > output_cap or _stripped_lines(got.decode(errors="replace")) != _stripped_lines(want):
+            out.seek(0)
+            got = out.read(_OUTPUT + 1)
+            if len(got) > _OUTPUT or _stripped_lines(got.decode(errors="replace")) != _stripped_lines(want):
                 return False
         return True
-    finally:
-        try:
-            if proc is not None:
-                _kill_sandbox(proc, uid, box)
-        finally:
-            for f in files:
-                f.close()
-            shutil.rmtree(box, ignore_errors=True)
-            _SLOTS.put(slot)
 
 
 # The interpreter: limits, Landlock, as root its own uid, the audit hook; then a child per test, exit code on stdout.
@@ -205,16 +193,14 @@ for i in range(0, len(fds), 2):
 """
 
 
-def _kill_sandbox(proc, uid, box):
+def _kill_sandbox(pgid, uid, box):
     """Kill a sandbox's process group (with a PID namespace the kernel then kills the rest), then sweep: what left
     the group by setsid() still has the sandbox's uid, or its directory as working directory (chdir is refused)."""
     with contextlib.suppress(OSError):
-        os.killpg(proc.pid, 9)
-    proc.wait()
-    proc.stdout.close()
+        os.killpg(pgid, 9)
     for _ in range(200):
-        strays = _processes(lambda pid, status: status["State"].split()[0] != "Z" and (
-            int(status["Uid"].split()[0]) == uid or os.readlink(f"/proc/{pid}/cwd") == box))
+        strays = list(_processes(lambda pid, status: status["State"].split()[0] != "Z" and (
+            int(status["Uid"].split()[0]) == uid or os.readlink(f"/proc/{pid}/cwd") == box)))
         for pid, _ in strays:
             with contextlib.suppress(OSError):  # it may have died since the scan
                 os.kill(pid, 9)
@@ -224,16 +210,13 @@ def _kill_sandbox(proc, uid, box):
 
 
 def _processes(match):
-    """[(pid, status fields)] of the processes for which match(pid, status) holds, from /proc."""
-    found = []
+    """(pid, status fields) of each process for which match(pid, status) holds, from /proc."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        # a process may be gone meanwhile, or not ours to inspect
-        with contextlib.suppress(OSError, KeyError, ValueError):
+        with contextlib.suppress(OSError, KeyError, ValueError):  # gone meanwhile, or not ours to inspect
             with open(f"/proc/{pid}/status") as f:
                 status = dict(line.split(":", 1) for line in f if ":" in line)
             if match(pid, status):
-                found.append((int(pid), status))
-    return found
+                yield int(pid), status
 
 
 def _stripped_lines(text):  # outputs compare line by line, trailing whitespace ignored

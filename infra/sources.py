@@ -3,9 +3,9 @@
 - `load_problems`: val's ids and questions never appear in train, and the same arguments give the same split. A
   user's mistake (an unknown source, option or column, a missing file or one of another type, a hub dataset not cached
   offline, a bad reasoning-gym option) is a one-line ValueError that names the choices.
-- A math answer column holds the answer, or a worked solution: MATH's last \\boxed{}, and (**choice**: in any source
-  but "math") for an answer containing "####" a GSM8K solution: the number after the last "####" without commas,
-  the text before it the trace. Rows with a `tests` column are code: their stdin/stdout tests.
+- A math answer cell holds the answer, or a worked solution: MATH's last \\boxed{}; (**choice**: in any source but
+  "math") a GSM8K solution if it has "####": the number after the last one without commas, the text before it the
+  trace. Rows with a `tests` column are code: their stdin/stdout tests. A .json file is a list of records.
 - The checkers never raise and keep to their deadline: "math" (Math-Verify in a child process, killed past it), "rg:"
   (the task's scorer; an exact match for problems made in another process), "code" (infra/sandbox.py).
 - `load_data` and `load_model` end the run with one line (`infra.fail`) on a user's mistake.
@@ -165,10 +165,8 @@ def _read_rows(source, path, hub, config, split):
         return pq.read_table(path).to_pylist()
     with open(path, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()] if path.endswith(".jsonl") else json.load(f)
-    if isinstance(rows, dict):  # column-oriented {"problem": [...], "answer": [...]}
-        rows = [dict(zip(rows, values)) for values in zip(*rows.values())]
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-        raise ValueError(f"{path!r}: expected a list of records or a dict of columns")
+        raise ValueError(f"{path!r}: expected a list of records, one {{column: value}} object per row")
     return rows
 
 
@@ -183,28 +181,28 @@ def _dataset_problems(source, data_path, prompt_key, answer_key, kw):
                                                                           _gsm8k_answer))
     rows = _read_rows(source, data_path or (source if is_file else None), hub, kw.get("config", config),
                       kw.get("split", "train"))
-    if answer_fn is None or rows and "tests" in rows[0] and answer_key in (None, "tests"):  # DeepCoder-style
-        answer_col, answer_fn = "tests", None
-    elif importlib.util.find_spec("math_verify") is None:  # else every math reward would quietly fail
+    code = answer_fn is None or rows and "tests" in rows[0] and answer_key in (None, "tests")  # DeepCoder-style
+    if not code and importlib.util.find_spec("math_verify") is None:  # else every math reward would quietly fail
         raise ValueError(f"source {source!r} is checked with math-verify: pip install math-verify")
-    prompt_key, answer_key, trace_key = prompt_key or prompt_col, answer_key or answer_col, kw.get("trace_key")
+    prompt_key, answer_key = prompt_key or prompt_col, answer_key or ("tests" if code else answer_col)
+    trace_key = kw.get("trace_key")  # a column of worked solutions, in place of the answer's own
     for key in (prompt_key, answer_key):
         if rows and key not in rows[0]:
             raise ValueError(f"dataset {source!r} has no column {key!r}; columns: {sorted(rows[0])}; pass "
                              f"--prompt_key/--answer_key")
-    task, instruction = ("math", data.MATH_INSTRUCTION) if answer_fn else ("code", data.CODE_INSTRUCTION)
+    task, instruction = ("code", data.CODE_INSTRUCTION) if code else ("math", data.MATH_INSTRUCTION)
     problems = []
     for i, row in enumerate(rows):
         question, answer, trace = row.get(prompt_key), row.get(answer_key), ""
-        if answer_fn is None:
+        if code:
             answer = _stdin_tests(answer)
         elif answer is not None:
             trace, answer = answer_fn(str(answer))
             trace = str(row.get(trace_key) or "") if trace_key else trace
-        if question is not None and answer is not None and str(question).strip() and str(answer).strip():
-            problems.append(data.Problem(i, str(question).strip() + instruction, str(answer).strip(), task, 0,
+        if question is not None and str(question).strip() and (answer or "").strip():  # answer: a str or None
+            problems.append(data.Problem(i, str(question).strip() + instruction, answer.strip(), task, 0,
                                          trace.strip()))
-    if not problems and answer_fn is None:
+    if not problems and code:
         raise ValueError(f"dataset {source!r}: no row has stdin/stdout tests in its {answer_key!r} column")
     return problems
 
@@ -244,51 +242,47 @@ def load_problems(source, n_val=1000, seed=0, n_train=None, prompt_key=None, ans
     if given - set(allowed):
         raise ValueError(f"unknown options for source {source!r}: {sorted(given - set(allowed))}; expected "
                          f"{', '.join(allowed)}")
+    n_train = 5000 if n_train is None and (rg or source in ("arith", "code")) else n_train  # generated sources
     if source in ("arith", "code"):
         make = data.arith_problems if source == "arith" else data.code_problems
         val = make(n_val, seed, split="val", start_id=0, **kw)
-        return make(5000 if n_train is None else n_train, seed, split="train", start_id=n_val, **kw), val
+        return make(n_train, seed, split="train", start_id=n_val, **kw), val
     if rg:
-        n_train = 5000 if n_train is None else n_train
         problems = _reasoning_gym(source, n_val + n_train, seed, {**(rg_options or {}), **kw})
     else:
         problems = _dataset_problems(source, data_path, prompt_key, answer_key, kw)
     if len(problems) <= n_val:
         raise ValueError(f"source {source!r} has {len(problems)} usable prompts; n_val={n_val} leaves "
                          f"none for training; pass a smaller n_val")
-    order = list(range(len(problems)))
-    random.Random(seed).shuffle(order)
-    val = [problems[i] for i in order[:n_val]]
+    random.Random(seed).shuffle(problems)
+    val = problems[:n_val]
     seen = {p.question for p in val}  # the same question under another id must not leak into training
-    train = [problems[i] for i in order[n_val:] if problems[i].question not in seen]
-    return train[:n_train], val
+    return [p for p in problems[n_val:] if p.question not in seen][:n_train], val
 
 
 def combine(parts):
     """One (train, val) from several sources' (train, val) pairs, ids shifted to stay unique across them."""
     train, val = [], []
     for part_train, part_val in parts:
-        if train or val:
-            shift = max(p.id for p in train + val) + 1
-            renamed = {p: dataclasses.replace(p, id=p.id + shift) for p in part_train + part_val}
-            _RG_ENTRIES.update({renamed[p]: _RG_ENTRIES[p] for p in renamed if p in _RG_ENTRIES})
-            part_train, part_val = [renamed[p] for p in part_train], [renamed[p] for p in part_val]
-        train, val = train + part_train, val + part_val
+        shift = max((p.id + 1 for p in train + val), default=0)
+        moved = {p: dataclasses.replace(p, id=p.id + shift) for p in part_train + part_val}
+        _RG_ENTRIES.update({moved[p]: _RG_ENTRIES[p] for p in moved if p in _RG_ENTRIES})
+        train += [moved[p] for p in part_train]
+        val += [moved[p] for p in part_val]
     return train, val
 
 
 def load_data(cfg):
     """(train problems, held-out problems, task names). A mixture ("arith+code") gives each source an equal share of
     the held-out and training prompts, and each task its own curve (Sec. 7)."""
-    levels = tuple(int(x) for x in cfg.levels.split(","))
     sources = cfg.task.split("+")
     options = {k: getattr(cfg, k) for k in ("data_path", "prompt_key", "answer_key") if getattr(cfg, k)}
     options.update(json.loads(cfg.task_options or "{}"))
+    own = {"arith": dict(levels=tuple(int(x) for x in cfg.levels.split(","))), "code": {}}  # built-ins' options
     try:
-        train, val = combine([load_problems(
-            src, n_val=max(1, cfg.eval_prompts // len(sources)), seed=cfg.seed,
-            n_train=max(1, cfg.n_train // len(sources)),
-            **(dict(levels=levels) if src == "arith" else {} if src == "code" else options)) for src in sources])
+        train, val = combine([load_problems(src, n_val=max(1, cfg.eval_prompts // len(sources)), seed=cfg.seed,
+                                            n_train=max(1, cfg.n_train // len(sources)), **own.get(src, options))
+                              for src in sources])
     except ValueError as e:
         fail(str(e))
     if cfg.model == "tiny" and not set(sources) <= {"arith", "code"}:

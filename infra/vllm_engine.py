@@ -6,15 +6,13 @@ releases). Every vLLM call of the project is here; vllm is imported when an engi
     to round-off. A temperature in (0, 0.01), which vLLM would raise to 0.01, is refused.
   - In-flight updates (Sec. 3.1) load in place between engine steps, a bucket at a time, through vLLM's own loader in
     its worker: running requests keep their KV cache. (vLLM starts from dummy weights, then loads the model's.)
-  - No request submitted after an update starts from KV computed before it: prefix caching is on, but every request
+  - No request submitted after an update starts from KV computed before it: prefix caching is on, and every request
     is salted with its policy version, which enters every block's hash (vLLM 0.32 resets its prefix cache only with
     no request running, or by recomputing the running ones' KV).
-  - Under torchrun (`child`) the engine core is a child process on the rank's GPU, away from the job's
-    torch.distributed world; buckets reach it as bytes over vLLM's RPC. It steps ahead of our `step()`: a load pauses
-    it (requests and KV kept) until the next `step()`, and each token records the version that sampled it (vLLM's
-    weight_version stamp on each output).
-  - vLLM's start-up leaves this process's CUDA_VISIBLE_DEVICES, RNG states and torch threads as they were; it sets
-    only vLLM's own variables.
+  - Under torchrun (`child`) the engine core is a child process on the rank's GPU, outside the job's torch.distributed
+    world; buckets reach it as bytes over vLLM's RPC. It steps ahead of our `step()`: a load pauses it (requests and
+    KV kept) until the next `step()`; each token records the version that sampled it (vLLM's weight_version stamp).
+  - vLLM's start-up leaves this process's CUDA_VISIBLE_DEVICES, RNG states and torch threads as they were.
 """
 import atexit
 import contextlib
@@ -45,9 +43,8 @@ def load_in_worker(worker, pairs):
     if isinstance(pairs, dict):
         flat, out, at = torch.frombuffer(bytearray(pairs["blob"]), dtype=torch.uint8), [], 0
         for name, dtype, shape in pairs["spec"]:
-            dtype = getattr(torch, dtype)
-            n = math.prod(shape) * dtype.itemsize
-            out.append((name, flat[at:at + n].view(dtype).view(tuple(shape))))
+            n = math.prod(shape) * getattr(torch, dtype).itemsize
+            out.append((name, flat[at:at + n].view(getattr(torch, dtype)).view(tuple(shape))))
             at += n
         pairs = out
     worker.reload_weights(weights_iterator=pairs)
@@ -75,9 +72,8 @@ def vllm_start(child):
     try:
         yield
     finally:
-        if visible is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        if visible is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible
         random.setstate(rng[0])
         np.random.set_state(rng[1])
@@ -120,9 +116,8 @@ class VLLMEngine(Engine):
             self.model = type(model)(model.config)
         for p, q in zip(self.model.parameters(), model.parameters()):
             p.data = p.data.to(q.dtype)
-        # where weight broadcasts land before they go to vLLM
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
-            torch.device("cpu")
+        # where weight broadcasts land before they go to vLLM (a generator rank's GPU: the current device)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.live = {}       # vLLM request id -> its Running completion
         self.rng = torch.Generator().manual_seed(seed)
         self.paused = False  # child: the engine core is paused for a weight load, until the next step()
@@ -152,8 +147,7 @@ class VLLMEngine(Engine):
         names), each cast to the dtype vLLM holds it in. A child's core is paused first ("keep": no request aborted,
         KV kept; returns once it is idle), so all buckets of a version land before it steps again."""
         named = dict(source.named_parameters()) if hasattr(source, "named_parameters") else source
-        params = dict(self.model.named_parameters())
-        pairs = [(n, t.detach().to(params[n].dtype)) for n, t in named.items()]
+        pairs = [(n, t.detach().to(self.model.get_parameter(n).dtype)) for n, t in named.items()]
         if self.child and not self.paused:
             self.llm.engine_core.call_utility("pause_scheduler", "keep", False)
             self.paused = True
