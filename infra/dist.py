@@ -158,9 +158,15 @@ def buckets(named, limit):
         yield run
 
 
-def new_bucket(run, device):
-    """A new flat tensor for bucket `run` (its dtype, on `device`) and its view of each tensor of the run."""
-    flat = torch.empty(sum(t.numel() for _, t, _ in run), dtype=run[0][2], device=device)
+def new_bucket(run, device, bufs, i=0):
+    """A flat tensor for bucket `run` (its dtype, on `device`) in byte buffer bufs[i], grown when it needs more, and
+    its view of each tensor of the run. The buffers are reused: a new one per bucket pays its page faults every update,
+    on a CPU host more than the broadcast itself (bench/weight_sync.py)."""
+    numel, dtype, device = sum(t.numel() for _, t, _ in run), run[0][2], torch.empty(0, device=device).device
+    if bufs.get(i) is None or bufs[i].numel() < numel * dtype.itemsize or bufs[i].device != device:
+        bufs[i] = None  # the old one goes first
+        bufs[i] = torch.empty(numel * dtype.itemsize, dtype=torch.uint8, device=device)
+    flat = bufs[i][:numel * dtype.itemsize].view(dtype)
     return flat, flat.split([t.numel() for _, t, _ in run])
 
 
@@ -170,7 +176,7 @@ class TrainerLink(BatchSource):
     def __init__(self, job, *, k, batch_prompts, bucket_bytes):
         super().__init__(k, batch_prompts)
         self.job, self.bucket_bytes = job, bucket_bytes
-        self.inbox, self.pending = queue.Queue(), None
+        self.inbox, self.pending, self.bufs = queue.Queue(), None, {}
         # group id -> kept by the zero-variance filter; generator rank -> its info(); version -> its eval's log row
         self.kept, self.info, self.asked = {}, {}, {}
         self.threads = [threading.Thread(target=self._receive, args=(rank,), daemon=True)
@@ -223,13 +229,13 @@ class TrainerLink(BatchSource):
             return
         self._land()
         counter(self.job, "version", 1)
-        for run in buckets(weights, self.bucket_bytes):
-            # a copy, never the live parameters (the next step changes them); copy_ casts without torch.cat's temporary
-            flat, parts = new_bucket(run, run[0][1].device)
+        for i, run in enumerate(buckets(weights, self.bucket_bytes)):
+            # a copy, never the live parameters (the next step changes them), into the buffer whose broadcast (i - 2)
+            # has landed; copy_ casts without torch.cat's temporary
+            flat, parts = new_bucket(run, run[0][1].device, self.bufs, i % 2)
             for x, (_, t, _) in zip(parts, run):
                 x.copy_(t.reshape(-1))
             self._land()
-            self.flat = flat  # alive until it lands
             self.pending = dist.broadcast(flat, src=0, group=self.job.groups["weights"], async_op=True)
 
     def ask_eval(self, version, seed, row):
@@ -260,7 +266,7 @@ class TrainerLink(BatchSource):
         if self.pending is not None:
             with waiting_for(self.job, f"generator ranks {self.job.generators} to take the last weight broadcast"):
                 self.pending.wait()
-            self.pending = self.flat = None  # the bucket is freed once it landed
+            self.pending = None
 
     def totals(self):
         """Generation so far over all generator ranks: the furthest epoch, sums of the rest."""
@@ -280,12 +286,12 @@ class TrainerLink(BatchSource):
                     gave_up(self.job, f"generator rank {rank} to stop")
 
 
-def receive_weights(job, engine, version, bucket_bytes, take=True):
+def receive_weights(job, engine, version, bucket_bytes, take=True, bufs=None):
     """A generator rank's end of TrainerLink.push_weights (`take` False: received, not loaded). The PyTorch engine
-    receives each bucket into its parameters; vLLM, and a version not taken, into a new one (on the GPU for NCCL)."""
-    in_place = take and hasattr(engine, "landing")
+    receives each bucket into its parameters; vLLM, and a version not taken, into `bufs`' one (on the GPU for NCCL)."""
+    in_place, bufs = take and hasattr(engine, "landing"), {} if bufs is None else bufs
     for run in buckets(((n, p, p.dtype) for n, p in engine.model.named_parameters()), bucket_bytes):
-        flat, parts = (engine.landing(run), None) if in_place else new_bucket(run, engine.device)
+        flat, parts = (engine.landing(run), None) if in_place else new_bucket(run, engine.device, bufs)
         with waiting_for(job, f"policy version {version} from trainer rank 0"):
             dist.broadcast(flat, src=0, group=job.groups["weights"])
         if in_place:
@@ -298,7 +304,7 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
                   evaluate=None):
     """A generator rank until trainer rank 0 says stop. Each turn: take the published weights, evaluate a version asked
     for (`evaluate(seed)` -> results), send the scored groups, admit groups under the lag bound, one engine step."""
-    engine, evaluated = rollouts.engine, set()
+    engine, evaluated, bufs = rollouts.engine, set(), {}  # bufs: the reused receive buffer (vLLM)
     scorer, scoring = ThreadPoolExecutor(1, thread_name_prefix="score"), []  # [(future, groups)] in finishing order
     # a resumed run starts at the checkpoint's version; next_group: taken from the counter, not started yet
     received, saved, next_group, idle_since = engine.version, None, None, None
@@ -315,7 +321,7 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
     while True:
         stop = counter(job, "stop")  # read before the version: every broadcast published before the stop is received
         for v in range(received + 1, counter(job, "version") + 1):
-            receive_weights(job, engine, v, bucket_bytes, take=mode == "pipeline" or v % k == 0)
+            receive_weights(job, engine, v, bucket_bytes, take=mode == "pipeline" or v % k == 0, bufs=bufs)
             received = v
             held_out(v)
         held_out(received)  # trainer rank 0 asks once it published the version (the start's: once it started)

@@ -1,20 +1,18 @@
 """infra/run.py: a run's life around the loop in scalerl.main, for one process and for every rank under torchrun.
 
 What it guarantees:
-- Nothing is written and no rank joins the job before rank 0 has checked the run directory: a fresh run refuses a
-  directory that holds a run; --resume needs a readable checkpoint written by the same layout of ranks. Every rank
-  then resumes from rank 0's resume point (step, policy version, groups dropped as stale).
+- Nothing is written and no rank joins the job before rank 0 has checked the run directory (rundir.check_run_dir);
+  --resume needs a checkpoint written by the same layout of ranks, and every rank resumes from rank 0's resume point.
 - An engine holds its own copy of the weights in the body dtype (an untied FP32 head stays fp32, Sec. 3.2), cast
   parameter by parameter while copied: never a second fp32 copy of the model on the device.
-- Held-out evaluation (`Evaluator`): in one process an engine of its own, re-seeded per step, so a step's pass rate
-  depends on the weights and the seed only; under torchrun the generator ranks evaluate their share of the prompts
-  and trainer rank 0 logs the rows once all have sent, every one before the checkpoint that follows it.
+- A held-out pass rate depends on the weights and the seed only (an engine of its own, re-seeded per step); under
+  torchrun the generator ranks evaluate, and every row is logged before the checkpoint that follows it.
 - The end: a preempted run checkpoints and exits 143, resumable, with no export; a run of non-finite steps exits with
   one line; otherwise the policy is exported to out_dir/hf and the run's own curve is fitted (Sec. 2.1).
 """
 import copy
+import functools
 import json
-import math
 import os
 import time
 
@@ -25,7 +23,7 @@ import engine
 import pipeline_rl
 import sigmoid_fit
 import trainer
-from infra import dist, fail, first_line, print0, rundir, sources
+from infra import dist, fail, print0, rundir, sources
 
 
 def device():
@@ -42,16 +40,11 @@ def set_threads(cfg):
 def start(cfg):
     """(Dist, the checkpoint on rank 0 or None, the resume point or None on every rank)."""
     set_threads(cfg)
-    metrics_path, ckpt_path = os.path.join(cfg.out_dir, "metrics.jsonl"), os.path.join(cfg.out_dir, "ckpt.pt")
+    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
     # the run directory and ckpt.pt live on rank 0's node
     rank0 = int(os.environ.get("RANK", 0)) == 0
-    trained = rank0 and any(r["step"] > 0 for r in rundir.read_metrics(metrics_path, math.inf))
-    if rank0 and not cfg.resume and (os.path.exists(ckpt_path) or trained):
-        fail(f"run directory {cfg.out_dir} already holds a run; pass --resume to continue it, pick another --out_dir, "
-             f"or delete {cfg.out_dir} to start afresh")
-    if rank0 and cfg.resume and not os.path.exists(ckpt_path):
-        hint = f" (delete {cfg.out_dir}: its rows cannot be continued)" if trained else ""
-        fail(f"--resume: no checkpoint at {ckpt_path}{hint}; start a fresh run without --resume")
+    if rank0:
+        rundir.check_run_dir(cfg)
     ckpt = rundir.load_checkpoint(ckpt_path) if cfg.resume and rank0 else None
     try:
         job = dist.dist_init(cfg.gen_ranks, cfg.dist_timeout, cfg.gen_share)
@@ -90,22 +83,19 @@ def make_engine(cfg, model, tok, seed):
     memo = {id(p): torch.nn.Parameter(p.detach().to(dev, torch.float32 if fp32_head and p is head else dtype), False)
             for p in model.parameters()}
     weights = copy.deepcopy(model, memo).to(dev)
-    interrupt_ids = None
-    if cfg.interrupt:
-        # the phrase, then </think> encoded on its own, so the stop rules see the thinking close (App. A.10)
-        phrase = data.INTERRUPT_PHRASE.removesuffix(data.THINK_CLOSE)
-        interrupt_ids = data.encode(tok, phrase) + data.encode(tok, data.THINK_CLOSE)
+    # the interruption phrase, then </think> encoded on its own, so the stop rules see the thinking close (App. A.10)
+    phrase = data.encode(tok, data.INTERRUPT_PHRASE.removesuffix(data.THINK_CLOSE))
+    interrupt_ids = phrase + data.encode(tok, data.THINK_CLOSE) if cfg.interrupt else None
     rules = dict(slots=cfg.slots, max_prompt=cfg.max_prompt, think_budget=(cfg.think_min, cfg.think_max),
                  answer_budget=cfg.answer_budget, eos_id=tok.eos_token_id, temperature=cfg.temperature,
                  think_close_ids=data.encode(tok, data.THINK_CLOSE), interrupt_ids=interrupt_ids,
                  head_dtype=torch.float32 if cfg.fp32_head else dtype, seed=seed)
     if cfg.engine == "torch":
         return engine.TorchEngine(weights, **rules)
+    # vLLM's presence is checked with the options (cli.validate)
+    from infra.vllm_engine import VLLMEngine
     try:
-        from infra.vllm_engine import VLLMEngine
         return VLLMEngine(weights, gpu_share=cfg.gpu_memory_utilization, **rules)
-    except ImportError as e:
-        fail(f"--engine vllm needs vLLM: pip install -r requirements-vllm.txt ({first_line(e)})")
     except ValueError as e:
         fail(str(e))
 
@@ -130,9 +120,8 @@ def batch_source(cfg, job, model, tok, train, tasks, seed):
 
 
 def policy(cfg, job, model, tok):
-    """(policy, AdamW): fp32 master weights, the body computed in the body dtype and the head in its own (Sec. 3.2)
-    through FSDP2 (sharded over the trainer ranks, mixed precision, or both), activation checkpointing per decoder
-    layer if asked."""
+    """(policy, AdamW): fp32 master weights, body and head computed in their own dtypes (Sec. 3.2) through FSDP2
+    (sharded over the trainer ranks, mixed precision, or both); activation checkpointing per layer if asked."""
     body = getattr(torch, cfg.dtype)
     if cfg.act_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
@@ -143,21 +132,17 @@ def policy(cfg, job, model, tok):
 
 
 def restore(cfg, ckpt, resume, job, policy, opt, source):
-    """--resume on a trainer rank: weights, optimizer (under torchrun: this rank's shards), the batch source's counters
-    and in one process the generating side. Returns (step, clock)."""
+    """(step, clock): on --resume, the optimizer, the batch source's counters and in one process the generating side."""
     if not resume:
         return 0, dict(device_hours=0.0, cpu_hours=0.0)
-    with rundir.fits(os.path.join(cfg.out_dir, "ckpt.pt")):
-        if job.world > 1:
-            rundir.load_shards(job, policy, opt, os.path.join(cfg.out_dir, resume["shards"]), resume["shards_opt"])
-        else:
-            rundir.load_optimizer(policy, opt, ckpt["opt"])
-            source.rollouts.load_state_dict(ckpt["generating"])
     source.version, source.dropped_stale = resume["version"], resume["stale"]
-    if job.world == 1:
-        # the groups in flight at the checkpoint are regenerated; the engine was built from the checkpoint's weights
-        source.admitted = resume["version"] * cfg.batch_prompts + resume["stale"]
-        source.engine.version = resume["version"]
+    with rundir.fits(os.path.join(cfg.out_dir, "ckpt.pt")):
+        rundir.load_optimizer(cfg, job, policy, opt, ckpt, resume)
+        if job.world == 1:
+            source.rollouts.load_state_dict(ckpt["generating"])
+            # the groups in flight at the checkpoint are regenerated; the engine was built from the checkpoint's weights
+            source.admitted = resume["version"] * cfg.batch_prompts + resume["stale"]
+            source.engine.version = resume["version"]
     clock = {k: ckpt.get(k, 0.0) if ckpt else 0.0 for k in ("device_hours", "cpu_hours")}
     if ckpt:
         torch.set_rng_state(ckpt["torch_rng"])
@@ -199,17 +184,16 @@ class Evaluator:
             self.engine, self.templates = make_engine(cfg, model, tok, seed + 1), held_out(source.rollouts, val)
 
     def __call__(self, step, policy):
-        seed = self.seed + 7919 * step
         if self.job.rank != 0:
             return ""
+        seed = self.seed + 7919 * step
         if self.job.world > 1:
             self.source.ask_eval(self.source.version, seed, dict(step=step, **self.log.clock))
             return "held-out evaluation asked of the generator ranks"
         t = time.time()
         self.engine.load_weights(policy.state(), self.source.version)
-        show = progress(len(self.templates)) if step == 0 else None
         results = pipeline_rl.evaluate(self.engine, self.source.rollouts, self.templates, self.cfg.eval_samples, seed,
-                                       show)
+                                       progress(len(self.templates)) if step == 0 else None)
         row = pipeline_rl.pass_rates(results, self.tasks)
         self.log.write(dict(step=step, **self.log.clock, **row, eval=True))
         self.log.took["evaluation"] += time.time() - t
@@ -237,11 +221,10 @@ def generator_rank(cfg, job, rollouts, val, resume):
         else:
             print(f"warning: {state_path} is missing: this generator rank restarts its curriculum", flush=True)
     mine = held_out(rollouts, val)[job.generators.index(job.rank)::len(job.generators)]
+    evaluate = functools.partial(pipeline_rl.evaluate, rollouts.engine, rollouts, mine, cfg.eval_samples)
     dist.run_generator(job, rollouts, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
                        group_size=cfg.group_size, save_every=cfg.ckpt_every, state_path=state_path,
-                       bucket_bytes=cfg.sync_bucket_mb << 20,
-                       evaluate=lambda seed: pipeline_rl.evaluate(rollouts.engine, rollouts, mine, cfg.eval_samples,
-                                                                  seed))
+                       bucket_bytes=cfg.sync_bucket_mb << 20, evaluate=evaluate)
     dist.dist_cleanup(job)
 
 
