@@ -197,4 +197,3 @@ def reward(problem, completion, timeout=5.0):
 def parallel_map(fn, items):
     """[fn(x) for x in items] on a shared pool of CODE_WORKERS threads: a batch's code checks run side by side."""
     return list(_REWARD_THREADS.map(fn, items))
-

@@ -168,6 +168,8 @@ class MixedPool:
         return {"drawn": dict(self.drawn), "pools": {t: p.state_dict() for t, p in self.pools.items()}}
 
     def load_state_dict(self, state):
+        if set(state["pools"]) != set(self.pools):
+            raise ValueError(f"MixedPool state holds tasks {sorted(state['pools'])}, this pool {sorted(self.pools)}")
         self.drawn = dict(state["drawn"])
         for task, pool in self.pools.items():
             pool.load_state_dict(state["pools"][task])

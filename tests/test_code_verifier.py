@@ -379,7 +379,7 @@ def test_mixture_keeps_a_curriculum_per_task():
     again = pipeline_rl.MixedPool(train, {"arith": 0.5, "code": 0.5}, seed=0)
     again.load_state_dict(json.loads(json.dumps(state)))
     assert again.state_dict() == json.loads(json.dumps(state))
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError):  # no task holds it
         pool.record(10 ** 9, [1.0, -1.0])
     with pytest.raises(ValueError, match="tasks"):
         pipeline_rl.MixedPool(train, {"arith": 1.0}).load_state_dict(state)
