@@ -20,6 +20,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -222,6 +223,17 @@ def test_good_program_that_leaves_a_process_passes_and_is_cleaned_up(box_dir):
     assert sandbox.check_program(program, [("\n", "5"), ("\n", "5")], OK_LIMIT)
     time.sleep(0.05)
     assert sandbox_processes() == [] and os.listdir(box_dir) == []
+
+
+def test_a_check_that_cannot_make_its_directory_fails_and_keeps_its_slot(monkeypatch, tmp_path):
+    """A full disk or a missing TMPDIR fails the check, and its slot comes back: 64 lost slots would block every later
+    check for ever, and the run would go silent."""
+    assert sandbox.sandbox_mode() is not None  # found once, before the temporary directory goes missing
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))
+    assert not any(sandbox.check_program("print(1)", [("", "1\n")]) for _ in range(10))
+    assert sandbox._SLOTS.qsize() == 64
+    monkeypatch.undo()
+    assert sandbox.check_program("print(1)", [("", "1\n")])
 
 
 @pytest.mark.parametrize("program, tests, want", [
