@@ -43,9 +43,7 @@ def start(cfg):
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
     # the run directory and ckpt.pt live on rank 0's node
     rank0 = int(os.environ.get("RANK", 0)) == 0
-    # the lock first: a live run's directory, or one that cannot be written, is refused before anything is said
     if rank0:
-        rundir.lock_run_dir(cfg.out_dir)
         rundir.check_run_dir(cfg)
     ckpt = rundir.load_checkpoint(ckpt_path) if cfg.resume and rank0 else None
     try:

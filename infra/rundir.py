@@ -40,11 +40,8 @@ def lock_run_dir(out_dir):
     """Takes out_dir/.lock (an exclusive flock holding the pid) for as long as this process lives."""
     if os.path.realpath(out_dir) in HELD:  # this process holds it already (a run started again in-process)
         return
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        fd = os.open(os.path.join(out_dir, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        fail(f"cannot write run directory {out_dir} ({e.strerror}); make it writable or pick another --out_dir")
+    os.makedirs(out_dir, exist_ok=True)
+    fd = os.open(os.path.join(out_dir, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

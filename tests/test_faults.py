@@ -13,7 +13,6 @@
 Run: python -m pytest tests/test_faults.py
 """
 import errno
-import fcntl
 import os
 import signal
 import subprocess
@@ -57,27 +56,6 @@ def test_two_runs_on_one_folder(base):
     assert f"in use by a live run (pid {winners[0][0]})" in line or "already holds a run" in line, line
     assert train_steps(out) == [1, 2, 3, 4, 5, 6]  # one run's rows, each once
 
-
-
-def test_a_live_or_unwritable_run_directory_is_refused_first(base):
-    """The run directory's lock is taken before anything else: --resume of a live run is refused before it says
-    "resumed", and a directory that cannot be written is refused in one line before the warm start."""
-    held = base / "warm"  # the fixture's finished run
-    fd = os.open(held / ".lock", os.O_RDWR)
-    fcntl.flock(fd, fcntl.LOCK_EX)  # this test stands in for the live run
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, b"4242", 0)
-    try:
-        p = run_command(command(held, "--resume", "--max_steps=4"))
-    finally:
-        os.close(fd)
-    assert p.returncode == 2 and "resumed" not in p.stdout, p.stdout[-500:]
-    assert "run directory" in one_line_error(p) and "in use by a live run (pid 4242)" in one_line_error(p)
-    blocked = base / "a_file"
-    blocked.write_text("")
-    p = run_command(command(blocked / "run", "--max_steps=1"))
-    assert p.returncode == 2 and "warm start" not in p.stdout, p.stdout[-500:]
-    assert f"cannot write run directory {blocked / 'run'}" in one_line_error(p)
 
 def small_fs(path, megabytes):
     """Mount a tmpfs of `megabytes` at path; False where this machine does not allow it (not root)."""
