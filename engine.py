@@ -281,7 +281,7 @@ class TorchEngine(Engine):
         least reading: every row reads T keys, the k longer rows all theirs again at about 3x (their keys copied)."""
         top = sorted(lengths, reverse=True)
         k = min(range(len(top)), key=lambda k: len(top) * top[k] + 3 * k * top[0])
-        longer = [r for r, n in enumerate(lengths) if n > top[k]]
+        longer = [r for r, n in enumerate(lengths) if n > top[k]] if k else None  # one horizon for all: no list
         return (top[k], torch.tensor(longer, device=self.device)) if k else None
 
     def _sample(self, hidden):

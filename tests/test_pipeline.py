@@ -296,6 +296,18 @@ def test_trainer_tensors_mask_forced_tokens_and_align_logprobs(never_stop):
         assert torch.equal(gen_logp[i, P - 1:P - 1 + n], torch.tensor(s.logprobs))
 
 
+def pushed(link, policy):
+    """The tensors TrainerLink.push_weights broadcasts for `policy`, in order (each has landed)."""
+    sent, broadcast = [], torch.distributed.broadcast
+    try:
+        torch.distributed.broadcast = lambda t, **kw: (sent.append(t), broadcast(t, **kw))[1]
+        link.push_weights(policy)
+        link._land()
+    finally:
+        torch.distributed.broadcast = broadcast
+    return sent
+
+
 def update_through_the_link(device):
     """One weight update on the torchrun path, in a process group of one (gloo on CPU, NCCL on a GPU): trainer rank 0's
     TrainerLink.push_weights casts a bf16-body, FP32-head policy into its two buckets and broadcasts them; the
@@ -313,13 +325,7 @@ def update_through_the_link(device):
     dist.shard(policy, m.model.layers, dist.local_group(), torch.bfloat16)
     job = dist.Dist(groups={"weights": dist.local_group()}, store=torch.distributed.HashStore())
     link = dist.TrainerLink(job, k=1, batch_prompts=1, bucket_bytes=1 << 30)  # two buckets: body, head
-    sent, broadcast = [], torch.distributed.broadcast
-    try:
-        torch.distributed.broadcast = lambda t, **kw: (sent.append(t), broadcast(t, **kw))[1]
-        link.push_weights(policy)
-        link._land()
-    finally:
-        torch.distributed.broadcast = broadcast
+    sent = pushed(link, policy)
     runs = list(dist.buckets(((n, p, p.dtype) for n, p in eng.model.named_parameters()), 1 << 30))
     assert [r[0][2] for r in runs] == [torch.bfloat16, torch.float32] and len(sent) == 2
     for run, flat in zip(runs, sent):
@@ -343,14 +349,7 @@ def test_a_tensor_larger_than_a_bucket_is_sent_from_a_copy():
     policy = trainer.Policy(m, 1.0, torch.float32)
     job = dist.Dist(groups={"weights": dist.local_group()}, store=torch.distributed.HashStore())
     link = dist.TrainerLink(job, k=1, batch_prompts=1, bucket_bytes=1 << 10)  # 1 KB: every matrix over it
-    sent = []
-    broadcast = torch.distributed.broadcast
-    try:
-        torch.distributed.broadcast = lambda t, **kw: (sent.append(t), broadcast(t, **kw))[1]
-        link.push_weights(policy)
-        link._land()
-    finally:
-        torch.distributed.broadcast = broadcast
+    sent = pushed(link, policy)
     live = {p.data_ptr() for p in m.parameters()}
     assert len(sent) >= 5 and not live & {t.data_ptr() for t in sent}
 
