@@ -79,8 +79,7 @@ class Engine:
                 progress(len(out))
         return [out[t.group] for t in templates]
 
-    def state_dict(self):
-        """The sampler state --resume restores."""
+    def state_dict(self):  # the sampler state --resume restores
         return dict(rng=self.rng.get_state(), budget_rng=self.budget_rng.getstate())
 
     def load_state_dict(self, state):
@@ -165,20 +164,22 @@ def slot_attention(module, query, key, value, attention_mask, horizon=None, **kw
     if query.shape[2] > 1 or kwargs.get("sliding_window") or kwargs.get("softcap"):
         return sdpa(module, query, key, value, attention_mask, **kwargs)
     scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
-
-    def attend(q, k, v, m):
-        # in bf16 SDPA's fp32 softmax matters, and on a GPU its kernels are the fast ones. In fp32 on a CPU reading the
-        # KV cache (from memory) is the whole cost: two batched matmuls read it faster than SDPA does for one query
-        if q.dtype != torch.float32 or q.device.type != "cpu":
-            return sdpa(module, q, k, v, m, **kwargs)[0]
-        (R, H, _, D), KV = q.shape, k.shape[1]
-        w = torch.softmax(torch.matmul(q.view(R, KV, H // KV, D), k.transpose(-1, -2)) * scaling + m, -1)  # GQA
-        return torch.matmul(w, v).view(R, 1, H, D)
     T, rows = horizon or (key.shape[2], [])
-    out = attend(query, key[:, :, :T], value[:, :, :T], attention_mask[..., :T])
+    out = decode_attention(query, key[:, :, :T], value[:, :, :T], attention_mask[..., :T], scaling)
     if len(rows):
-        out[rows] = attend(query[rows], key[rows], value[rows], attention_mask[rows])
+        out[rows] = decode_attention(query[rows], key[rows], value[rows], attention_mask[rows], scaling)
     return out, None
+
+
+def decode_attention(q, k, v, mask, scaling):
+    """q (R, H, 1, D) over the cache's k, v (R, KV, T, D) -> (R, 1, H, D), each KV head read once (masked, transformers'
+    SDPA copies K, V per query head: 12-20x slower on an H200, bench/decode_attention.py); fp32 on CPU: two matmuls."""
+    if q.dtype == torch.float32 and q.device.type == "cpu":
+        (R, H, _, D), KV = q.shape, k.shape[1]
+        w = torch.softmax(torch.matmul(q.view(R, KV, H // KV, D), k.transpose(-1, -2)) * scaling + mask, -1)
+        return torch.matmul(w, v).view(R, 1, H, D)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
+                                                            enable_gqa=True).transpose(1, 2)
 
 
 def flat_parameters(model):
@@ -193,8 +194,7 @@ def flat_parameters(model):
 
 
 @dataclass
-class Waiting:
-    """A group's completions that have no slot yet."""
+class Waiting:  # a group's completions that have no slot yet
     template: Sample
     left: int                      # completions not started
     hidden: object = None          # the prompt's last hidden state once prefilled: the group's rest reuses it

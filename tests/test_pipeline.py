@@ -16,7 +16,7 @@ import losses
 import pipeline_rl
 import scalerl
 import trainer
-from engine import Sample, TorchEngine, slot_attention
+from engine import Sample, TorchEngine, decode_attention, slot_attention
 from infra import dist
 from infra.run import make_engine
 
@@ -382,3 +382,21 @@ def test_weight_buckets_agree_between_trainer_and_generator(dtype, fp32_head):
         assert layer(run[-1][0]) != layer(nxt[0][0]) or run[-1][2] != nxt[0][2]
     for run in sent:  # within the limit but for the last layer, which it does not split
         assert sum(math.prod(s) * d.itemsize for n, s, d in run if layer(n) != layer(run[-1][0])) <= limit
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_decode_attention_reads_each_kv_head_for_its_query_heads(dtype, tol):
+    """engine.decode_attention (fp32 on a CPU: two matmuls; otherwise SDPA with enable_gqa, the GPU's path) against
+    float64 attention over K and V repeated to the query heads, on views of a longer cache with a padding mask."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(6, 8, 1, 32, generator=g)
+    cache = torch.randn(2, 6, 2, 40, 32, generator=g)
+    k, v = cache[0, :, :, :25], cache[1, :, :, :25]  # (R, KV, T, D) views with the buffer's stride, as in SlotCache
+    lengths = torch.tensor([25, 3, 17, 25, 9, 1])
+    mask = torch.where(torch.arange(25) < lengths[:, None], 0.0, torch.finfo(dtype).min)[:, None, None]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double().repeat_interleave(4, 1), v.double().repeat_interleave(4, 1),
+        attn_mask=mask.double().clamp(min=-1e30)).transpose(1, 2)
+    got = decode_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask.to(dtype), 32 ** -0.5)
+    assert got.shape == (6, 1, 8, 32) and got.dtype == dtype
+    assert (got.double() - want).abs().max() < tol

@@ -101,3 +101,16 @@ def test_the_real_command_prints_the_plan():
     p = run_command(scalerl_command("--config=8b", "--dry_run", "--plan_gpus=8"), timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "weight-sync buffers" in p.stdout and "verdict" in p.stdout and "Traceback" not in p.stderr
+
+
+def test_the_gpu_bench_runs_on_cpu():
+    """bench/gpu.py's CPU twin: every part (train step with and without activation checkpointing, engine against
+    generate, logprob gap, the weight path into the engine's parameters) on a tiny Qwen3 shape, as it runs on a GPU."""
+    from bench import gpu
+    out = gpu.main(["--device", "cpu", "--shape", "2,64,128,2,2,32,512,0", "--seq", "64", "--new", "8", "--slots",
+                    "8", "--group", "4", "--prompts", "2", "--micro_batch_tokens", "128", "--steps", "1",
+                    "--repeats", "1", "--attention", "sdpa,engine"])
+    assert out["train_ckpt"]["tok_s"] > 0 and out["train_no_ckpt"]["plan_gb"] > 0
+    assert min(out["engine"][k] for k in ("engine_tok_s_sdpa", "engine_tok_s_engine", "generate_tok_s")) > 0
+    assert out["mismatch"]["tokens"] == 8 * 8 and out["mismatch"]["mean"] < 0.01
+    assert out["sync"]["gb"] > 0
