@@ -76,9 +76,8 @@ def dist_init(gen_ranks=0, timeout=60.0, gen_share=0.5):
 
 
 def local_group():
-    """A process group of this process alone (FSDP2's mixed precision needs one); vLLM's if it made one."""
+    """This process alone as a group (FSDP2 mixed precision needs one; gloo, NCCL for CUDA), or vLLM's if it has one."""
     if not dist.is_initialized():
-        # gloo for CPU tensors as well where there is a GPU: a CPU test on a GPU machine must not get NCCL alone
         dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
                                 store=dist.HashStore(), rank=0, world_size=1)
     return dist.group.WORLD
