@@ -133,7 +133,7 @@ class SlotCache:
     (the model's only call) writes its keys and values in place and returns their history."""
     def __init__(self, cfg, slots, max_len, dtype, device):
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        shape = (slots, cfg.num_key_value_heads, max_len, head_dim)
+        shape = (slots, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
 
@@ -161,7 +161,12 @@ def slot_attention(module, query, key, value, attention_mask, horizon=None, **kw
     """The engine's attention: SDPA, but in a decode step with `horizon` = (T, rows) all rows read keys up to T and
     `rows`, the few longer ones, all theirs: a slot past its interruption phrase must not make all read as far."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward as sdpa
-    if query.shape[2] > 1 or kwargs.get("sliding_window") or kwargs.get("softcap"):
+    ours = attention_mask is not None and attention_mask.is_floating_point()  # the engine's (else a trainer's forward)
+    if ours and kwargs.get("sliding_window"):  # a sliding layer: keys a window or more behind the query masked too
+        q = (attention_mask == 0).sum(-1, keepdim=True) - 1  # the query's position: our mask allows keys 0..q
+        old = torch.arange(attention_mask.shape[-1], device=q.device) <= q - kwargs["sliding_window"]
+        attention_mask = attention_mask.masked_fill(old, torch.finfo(attention_mask.dtype).min)
+    if query.shape[2] > 1 or not ours or kwargs.get("softcap"):
         return sdpa(module, query, key, value, attention_mask, **kwargs)
     scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
     T, rows = horizon or (key.shape[2], [])
@@ -204,14 +209,18 @@ class TorchEngine(Engine):
     """Continuous-batching KV-cache sampler for a `transformers` causal LM: a step decodes a token per running slot."""
     def __init__(self, model, *, slots, head_dtype=torch.float32, seed=0, **rules):
         from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
         super().__init__(seed=seed, **rules)
         self.model, self.head_dtype, cfg = model.eval(), head_dtype, model.config
+        # the body and the model's own head, with its bias, logit scale and soft cap (losses.head_finish)
+        self.body, self.head, self.finish = model.get_decoder(), model.get_output_embeddings(), losses.head_finish(cfg)
         self.device, self.kv_dtype = next(model.parameters()).device, next(model.parameters()).dtype
         self.cache = SlotCache(cfg, slots, self.max_len, self.kv_dtype, self.device)
         self.flat = flat_parameters(model)
         # SDPA becomes slot_attention (SDPA plus horizons); with others (eager, flash...) all rows read as far
         if cfg._attn_implementation == "sdpa":
             AttentionInterface.register("scalerl_slots", slot_attention)
+            AttentionMaskInterface.register("scalerl_slots", sdpa_mask)  # a 2D mask (a trainer's forward): SDPA's
             model.set_attn_implementation("scalerl_slots")
         self.horizons = cfg._attn_implementation == "scalerl_slots"
         self.slots = [None] * slots  # per slot: its Running completion, or None
@@ -273,8 +282,8 @@ class TorchEngine(Engine):
         allowed = torch.arange(self.cache.upto, device=dev) <= qpos[:, :, None]
         mask = torch.where(allowed, 0.0, torch.finfo(self.kv_dtype).min).to(self.kv_dtype)[:, None]
         extra = dict(horizon=self._horizon([p + 1 for p in pos])) if n == 1 and self.horizons else {}
-        return self.model.model(input_ids=torch.tensor(tokens, device=dev), attention_mask=mask, position_ids=qpos,
-                                past_key_values=self.cache, use_cache=True, **extra).last_hidden_state
+        return self.body(input_ids=torch.tensor(tokens, device=dev), attention_mask=mask, position_ids=qpos,
+                         past_key_values=self.cache, use_cache=True, **extra).last_hidden_state
 
     def _horizon(self, lengths):
         """Keys each row needs -> slot_attention's (T, longer rows), or None: one horizon for all. T is chosen for the
@@ -286,7 +295,7 @@ class TorchEngine(Engine):
 
     def _sample(self, hidden):
         """Hidden states (R, H) -> tokens (R,) and their behaviour logprobs after temperature, FP32 head (Sec. 3.2)."""
-        logits = losses.head_logits(hidden, self.model.lm_head.weight, self.head_dtype)
+        logits = losses.head_logits(hidden, self.head.weight, self.head_dtype, self.head.bias, *self.finish)
         logp = torch.log_softmax(logits / self.temperature, -1)
         tokens = torch.multinomial(logp.exp(), 1, generator=self.rng)[:, 0]
         return tokens, logp.gather(-1, tokens[:, None])[:, 0]

@@ -136,19 +136,19 @@ def policy_loss(logp, gen_logp, adv, mask, weights, loss="cispo", **kw):
 
 # ----------------------------------------------------------------------------- FP32-head logprobs (Sec. 3.2, Fig. 5b)
 class _FP32HeadLogprobs(torch.autograd.Function):
-    """Logprobs of targets under softmax(h W^T / tau), chunk by chunk: forward keeps a log-normaliser per token,
-    backward recomputes each chunk's logits, in place in one reused (chunk, V) buffer (autograd would keep them all)."""
+    """Logprobs of targets under softmax(finish(h W^T + b) / tau), chunk by chunk: forward keeps a log-normaliser per
+    token, backward recomputes each chunk's logits in one reused (chunk, V) buffer (autograd would keep them all)."""
 
     @staticmethod
-    def forward(ctx, h, w, targets, chunk, tau):  # h (N, H), w (V, H), targets (N,)
+    def forward(ctx, h, w, b, targets, chunk, tau, scale, cap):  # h (N, H), w (V, H), b (V,) or None, targets (N,)
         wf = w.to(torch.promote_types(torch.promote_types(h.dtype, w.dtype), torch.float32))
         lp, lse = wf.new_empty(h.shape[0]), wf.new_empty(h.shape[0])
-        for c, _, z in _chunks(h, wf, chunk, tau):
+        ctx.chunk, ctx.tau, ctx.finish = chunk, tau, (None if b is None else b.to(wf.dtype), scale, cap)
+        for c, _, z in _chunks(h, wf, chunk, tau, *ctx.finish):
             zmax = z.amax(-1, keepdim=True)
             tgt = z.sub_(zmax).gather(1, targets[c, None])[:, 0]
             lse[c] = z.exp_().sum(-1).log() + zmax[:, 0]
             lp[c] = tgt + zmax[:, 0] - lse[c]
-        ctx.chunk, ctx.tau = chunk, tau
         ctx.save_for_backward(h, w, targets, lse)
         return lp
 
@@ -158,45 +158,66 @@ class _FP32HeadLogprobs(torch.autograd.Function):
         wf = w.to(lse.dtype)
         grad_h = wf.new_empty(h.shape) if ctx.needs_input_grad[0] else None
         grad_w = wf.new_zeros(w.shape) if ctx.needs_input_grad[1] else None
-        for c, hc, g in _chunks(h, wf, ctx.chunk, ctx.tau):
+        grad_b = wf.new_zeros(w.shape[0]) if ctx.needs_input_grad[2] else None
+        _, scale, cap = ctx.finish
+        for c, hc, g in _chunks(h, wf, ctx.chunk, ctx.tau, *ctx.finish):
+            # the finish's slope: scale, times 1 - tanh^2 under a soft cap (g holds the capped logits / tau)
+            slope = scale if cap is None else (g * (ctx.tau / cap)).square_().neg_().add_(1).mul_(scale)
             # d logp_target / d logits = (onehot - p) / tau
             g.sub_(lse[c, None]).exp_().mul_(-g_lp[c, None])
-            g.scatter_add_(1, targets[c, None], g_lp[c, None]).div_(ctx.tau)
+            g.scatter_add_(1, targets[c, None], g_lp[c, None]).div_(ctx.tau).mul_(slope)
+            if grad_b is not None:
+                grad_b += g.sum(0)
             if grad_h is not None:
                 grad_h[c] = g @ wf
             if grad_w is not None:
                 grad_w.addmm_(g.T, hc)
         return (None if grad_h is None else grad_h.to(h.dtype), None if grad_w is None else grad_w.to(w.dtype),
-                None, None, None)
+                None if grad_b is None else grad_b.to(w.dtype), None, None, None, None, None)
 
 
-def _chunks(h, wf, chunk, tau):
+def _chunks(h, wf, chunk, tau, bias=None, scale=1.0, cap=None):
     """Per chunk of tokens: its slice, hidden states (C, H) in the head's dtype, logits / tau (C, V) in one buffer."""
     buf = wf.new_empty(min(chunk, h.shape[0]), wf.shape[0])
     for i in range(0, h.shape[0], chunk):
         hc = h[i:i + chunk].to(wf.dtype)
-        yield slice(i, i + chunk), hc, torch.mm(hc, wf.T, out=buf[:hc.shape[0]]).div_(tau)
+        yield slice(i, i + chunk), hc, finish(torch.mm(hc, wf.T, out=buf[:hc.shape[0]]), bias, scale, cap).div_(tau)
 
 
-def token_logprobs(hidden, head_weight, targets, chunk=1024, temperature=1.0):
+def head_finish(config):
+    """(scale, cap) of a model's own head after h W^T + b: Granite's 1 / logits_scaling, Cohere's logit_scale, Gemma
+    2's final soft cap. The policy must sample and train on the logits its exported model computes."""
+    scale = getattr(config, "logit_scale", None) or 1 / (getattr(config, "logits_scaling", None) or 1)
+    return float(scale), getattr(config, "final_logit_softcapping", None)
+
+
+def finish(z, bias, scale, cap):
+    """Logits z (in place): + bias, x scale, then the soft cap cap * tanh(z / cap) (losses.head_finish)."""
+    z = z if bias is None else z.add_(bias)
+    z = z if scale == 1 else z.mul_(scale)
+    return z if cap is None else z.div_(cap).tanh_().mul_(cap)
+
+
+def token_logprobs(hidden, head_weight, targets, chunk=1024, temperature=1.0, bias=None, scale=1.0, cap=None):
     """(B, T) float32 (float64 if an input is) logprobs of targets under the FP32 LM head after temperature (Sec. 3.2),
-    differentiable in hidden (B, T, H, any dtype) and head_weight (V, H); the (B*T, V) float32 logits never exist."""
+    differentiable in hidden (B, T, H, any dtype), head_weight (V, H) and bias; the (B*T, V) logits never exist."""
     assert hidden.dim() == 3 and hidden.shape[-1] == head_weight.shape[1] and targets.shape == hidden.shape[:2] and \
         not targets.is_floating_point(), ("hidden, head_weight, targets", hidden.shape, head_weight.shape, targets)
     assert not targets.numel() or 0 <= targets.min() <= targets.max() < head_weight.shape[0], "targets out of vocab"
     assert int(chunk) >= 1 and temperature > 0, ("chunk, temperature", chunk, temperature)
-    return _FP32HeadLogprobs.apply(hidden.flatten(0, 1), head_weight, targets.flatten().long(), int(chunk),
-                                   float(temperature)).view(targets.shape)
+    return _FP32HeadLogprobs.apply(hidden.flatten(0, 1), head_weight, bias, targets.flatten().long(), int(chunk),
+                                   float(temperature), float(scale), cap).view(targets.shape)
 
 
-def head_logits(hidden, weight, head_dtype=torch.float32):
+def head_logits(hidden, weight, head_dtype=torch.float32, bias=None, scale=1.0, cap=None):
     """The generator's float32 LM-head logits, the matmul in head_dtype (float32: the FP32 head, Sec. 3.2, Fig. 5b)."""
-    return torch.nn.functional.linear(hidden.to(head_dtype), weight.to(head_dtype)).float()
+    logits = torch.nn.functional.linear(hidden.to(head_dtype), weight.to(head_dtype)).float()
+    return finish(logits, None if bias is None else bias.float(), scale, cap)
 
 
-def head_logprobs(hidden, weight, targets, temperature=1.0, head_dtype=torch.float32):
+def head_logprobs(hidden, weight, targets, temperature=1.0, head_dtype=torch.float32, bias=None, scale=1.0, cap=None):
     """Trainer logprobs of `targets` (B, T) after temperature, in `head_logits`'s arithmetic (FP32: token_logprobs)."""
     if head_dtype == torch.float32:
-        return token_logprobs(hidden, weight, targets, temperature=temperature)
-    logp = torch.log_softmax(head_logits(hidden, weight, head_dtype) / temperature, -1)  # (B, T, V)
+        return token_logprobs(hidden, weight, targets, temperature=temperature, bias=bias, scale=scale, cap=cap)
+    logp = torch.log_softmax(head_logits(hidden, weight, head_dtype, bias, scale, cap) / temperature, -1)  # (B, T, V)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)

@@ -46,13 +46,15 @@ def rollout_tensors(samples, pad_id):
 
 
 class Head(torch.nn.Module):
-    """The LM head as a module (untied: its own FSDP2 unit), in `dtype`: logprobs (N, T) of `targets` (Sec. 3.2)."""
-    def __init__(self, linear, temperature, dtype):
+    """The model's own LM head as a module (untied: its own FSDP2 unit), in `dtype`, with its bias, scale and soft cap
+    (losses.head_finish): logprobs (N, T) of `targets` (Sec. 3.2)."""
+    def __init__(self, linear, temperature, dtype, config):
         super().__init__()
-        self.linear, self.temperature, self.dtype = linear, temperature, dtype
+        self.linear, self.temperature, self.dtype, self.finish = linear, temperature, dtype, losses.head_finish(config)
 
     def forward(self, hidden, targets):
-        out = losses.head_logprobs(hidden, self.linear.weight, targets, self.temperature, self.dtype)
+        out = losses.head_logprobs(hidden, self.linear.weight, targets, self.temperature, self.dtype, self.linear.bias,
+                                   *self.finish)
         return out.clone()  # not a view: FSDP2 hooks its backward onto the output
 
 
@@ -61,20 +63,21 @@ class Policy(torch.nn.Module):
     (N, L). Below fp32, FSDP2 (infra.dist.shard, one process too) runs the body on a copy of the fp32 masters."""
     def __init__(self, lm, temperature, head_dtype=torch.float32, pad_id=0, body_dtype=torch.float32):
         super().__init__()
-        self.lm, self.head, self.pad_id = lm, Head(lm.lm_head, temperature, head_dtype), pad_id
-        self.body_dtype = body_dtype
+        out = lm.get_output_embeddings()
+        self.lm, self.head, self.pad_id = lm, Head(out, temperature, head_dtype, lm.config), pad_id
+        self.body_dtype, self.head_name = body_dtype, next(n for n, m in lm.named_modules() if m is out) + "."
         # a tied head is the embedding, computed in the body
-        self.tied = lm.lm_head.weight is lm.get_input_embeddings().weight
+        self.tied = out.weight is lm.get_input_embeddings().weight
 
     def forward(self, ids, att):
-        hidden = self.lm.model(input_ids=ids, attention_mask=att, use_cache=False).last_hidden_state
+        hidden = self.lm.get_decoder()(input_ids=ids, attention_mask=att, use_cache=False).last_hidden_state
         return self.head(hidden[:, :-1], ids[:, 1:])
 
     def weights(self):
         """What the generators load, (name, tensor, dtype): the body in its dtype, an untied head in its own (Sec. 3.2).
         An FSDP2 parameter comes gathered and cast (all trainer ranks must consume it), a plain one as it is."""
         for name, p in self.lm.named_parameters():
-            dtype = self.head.dtype if name == "lm_head.weight" else self.body_dtype
+            dtype = self.head.dtype if name.startswith(self.head_name) else self.body_dtype  # a tied one: not listed
             yield name, p.detach().to(dtype).full_tensor() if hasattr(p, "full_tensor") else p.detach(), dtype
 
     def state(self):
@@ -159,6 +162,11 @@ def optimizer(cfg, policy):
     """AdamW as in App. A.3 (no KL term, no schedule beyond the warm-up in train_step)."""
     return torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
                              weight_decay=cfg.weight_decay)
+
+
+def decoder_layers(lm):
+    """The decoder's stack of layers (FSDP2 units), whatever the family names it: model.layers, transformer.h, ..."""
+    return next(m for m in lm.get_decoder().children() if isinstance(m, torch.nn.ModuleList))
 
 
 def tiny_model(cfg, vocab_size):

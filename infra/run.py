@@ -76,12 +76,12 @@ def place(cfg, job, model, ckpt, resume):
 def make_engine(cfg, model, tok, seed):
     """A generation engine (--engine) with its own copy of `model`, the run's budgets and sampling."""
     dtype, dev = getattr(torch, cfg.dtype), device()
-    head = model.get_output_embeddings().weight
-    fp32_head = cfg.fp32_head and head is not model.get_input_embeddings().weight
+    head = {id(p) for p in model.get_output_embeddings().parameters()}  # weight, and a bias if it has one
+    fp32_head = cfg.fp32_head and id(model.get_input_embeddings().weight) not in head
     # deepcopy takes each parameter from the memo instead of copying it: cast while copied, never a second fp32 copy
     # on the device. An untied FP32 head stays fp32 (Sec. 3.2); buffers (RoPE) stay as they are.
-    memo = {id(p): torch.nn.Parameter(p.detach().to(dev, torch.float32 if fp32_head and p is head else dtype), False)
-            for p in model.parameters()}
+    memo = {id(p): torch.nn.Parameter(p.detach().to(dev, torch.float32 if fp32_head and id(p) in head else dtype),
+                                      False) for p in model.parameters()}
     weights = copy.deepcopy(model, memo).to(dev)
     # the interruption phrase, then </think> encoded on its own, so the stop rules see the thinking close (App. A.10)
     phrase = data.encode(tok, data.INTERRUPT_PHRASE.removesuffix(data.THINK_CLOSE))
@@ -127,7 +127,7 @@ def policy(cfg, job, model, tok):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
     pol = trainer.Policy(model, cfg.temperature, torch.float32 if cfg.fp32_head else body, tok.pad_token_id, body)
     if len(job.trainers) > 1 or body != torch.float32:
-        dist.shard(pol, model.model.layers, job.groups.get("trainer") or dist.local_group(), body)
+        dist.shard(pol, trainer.decoder_layers(model), job.groups.get("trainer") or dist.local_group(), body)
     return pol, trainer.optimizer(cfg, pol)
 
 

@@ -116,8 +116,8 @@ def never_stop(monkeypatch):
     """Make </think> and EOS unsampleable, so thinking always runs into its budget."""
     head = losses.head_logits
 
-    def biased(hidden, weight, head_dtype=torch.float32):
-        logits = head(hidden, weight, head_dtype)
+    def biased(hidden, weight, head_dtype=torch.float32, *finish):
+        logits = head(hidden, weight, head_dtype, *finish)
         logits[..., [EOS, CLOSE]] = -1e4
         return logits
     monkeypatch.setattr(losses, "head_logits", biased)  # the engine samples through losses.head_logits

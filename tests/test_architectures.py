@@ -1,0 +1,139 @@
+"""Any causal LM: the decoder-only families people fine-tune with RL, each built from its transformers config with
+random weights (nothing downloaded), through the trainer's Policy and the PyTorch engine as a run uses them.
+
+- The trainer's logprobs equal the model's own forward (fp32, 1e-5): the model's own head, with GPT-2's tied
+  embedding, Gemma 2's final soft cap and Granite's logit scaling, not a plain matmul of the last hidden state.
+- The engine's behaviour logprobs equal the trainer's on the tokens it sampled (fp32, 1e-5), and stay close with a
+  bf16 body through FSDP2's mixed precision and the FP32 head.
+- GPT-2 (absolute positions, fused QKV, no num_key_value_heads) trains from the command line and its export loads.
+"""
+import copy
+import json
+import os
+
+import pytest
+import torch
+import transformers as T
+
+import losses
+import trainer
+from conftest import run_command, scalerl_command
+from engine import Sample, TorchEngine
+from infra import dist
+
+V = 300
+BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=V)
+KV = dict(num_key_value_heads=2)
+CONFIGS = {
+    "gpt2": lambda: T.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=V, n_positions=256, resid_pdrop=0,
+                                 embd_pdrop=0, attn_pdrop=0),
+    "gpt_neox": lambda: T.GPTNeoXConfig(**BASE, max_position_embeddings=256),
+    "llama": lambda: T.LlamaConfig(**BASE, **KV),
+    "mistral": lambda: T.MistralConfig(**BASE, **KV, sliding_window=4),
+    "qwen2": lambda: T.Qwen2Config(**BASE, **KV),
+    "qwen3": lambda: T.Qwen3Config(**BASE, **KV, head_dim=16),
+    "gemma2": lambda: T.Gemma2Config(**BASE, **KV, head_dim=16, final_logit_softcapping=3.0, sliding_window=4,
+                                     tie_word_embeddings=False),
+    "gemma3": lambda: T.Gemma3TextConfig(**BASE, **KV, head_dim=16, final_logit_softcapping=3.0),
+    "phi3": lambda: T.Phi3Config(**BASE, **KV, pad_token_id=0),
+    "olmo2": lambda: T.Olmo2Config(**BASE, **KV),
+    "granite": lambda: T.GraniteConfig(**BASE, **KV, logits_scaling=4.0),
+}
+
+
+def build(name, seed=0):
+    config = CONFIGS[name]()
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = T.AutoModelForCausalLM.from_config(config).eval()
+    head = model.get_output_embeddings()
+    if head.weight is not model.get_input_embeddings().weight:  # (a tied head is the input embedding too)
+        with torch.no_grad():  # confident logits, as a trained model's: the soft cap and the scale then matter
+            head.weight.mul_(20)
+    return model
+
+
+def sampled(model, head_dtype=torch.float32):
+    eng = TorchEngine(model, slots=4, max_prompt=6, think_budget=(8, 10), answer_budget=3, eos_id=1,
+                      think_close_ids=[2], head_dtype=head_dtype, seed=0)
+    return [s for g in eng.generate([Sample(i, i, [5 + i, 6, 7 + i][:2 + i % 2]) for i in range(3)], 2) for s in g]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_trainer_and_engine_compute_the_models_own_logprobs(name):
+    model = build(name)
+    policy = trainer.Policy(model, 1.0)
+    ids, att, tmask, gen_logp = trainer.rollout_tensors(sampled(model), 0)
+    with torch.no_grad():
+        logp = policy(ids, att)
+        own = torch.log_softmax(model(input_ids=ids, attention_mask=att).logits.float(), -1)
+    own = own[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    m = tmask.bool()
+    assert (logp - own)[m].abs().max() < 1e-5  # the model's own head, soft cap and scale included
+    assert (logp - gen_logp)[m].abs().max() < 1e-5  # the engine samples from the same logits
+    assert m.sum() >= 6 * 8
+
+
+def test_a_plain_matmul_head_would_miss_the_soft_cap_and_the_scale():
+    """What the model's own head changes: without its finish, Gemma 2's and Granite's logprobs differ by nats."""
+    for name in ("gemma2", "granite"):
+        model = build(name)
+        ids = torch.randint(5, V, (2, 12))
+        with torch.no_grad():
+            hidden = model.get_decoder()(input_ids=ids).last_hidden_state[:, :-1]
+            plain = losses.token_logprobs(hidden, model.get_output_embeddings().weight, ids[:, 1:])
+            own = trainer.Policy(model, 1.0)(ids, torch.ones_like(ids))
+        assert (plain - own).abs().max() > 0.1, name
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt_neox", "gemma2", "granite", "phi3"])
+def test_bf16_body_and_fp32_head_agree_across_families(name):
+    """FSDP2 mixed precision over a group of one (bf16 body, the model's own head in fp32) against an engine holding
+    the bf16 body and the fp32 head, as infra.run.make_engine casts them."""
+    model = build(name)
+    gm = copy.deepcopy(model)
+    head = {id(p) for p in gm.get_output_embeddings().parameters()}
+    tied = id(gm.get_input_embeddings().weight) in head
+    for p in gm.parameters():
+        p.data = p.data.to(torch.float32 if id(p) in head and not tied else torch.bfloat16)
+    ids, att, tmask, gen_logp = trainer.rollout_tensors(sampled(gm), 0)
+    policy = trainer.Policy(model, 1.0, torch.float32, 0, torch.bfloat16)
+    dist.shard(policy, trainer.decoder_layers(model), dist.local_group(), torch.bfloat16)
+    with torch.no_grad():
+        gap = (policy(ids, att) - gen_logp)[tmask.bool()].abs()
+    assert gap.mean() < 0.02, (name, gap.mean().item())
+    dtypes = {n: dtype for n, _, dtype in policy.weights()}  # what the engines load: the head in fp32 unless tied
+    assert dtypes.keys() == dict(model.named_parameters()).keys()
+    assert {n for n, d in dtypes.items() if d == torch.float32} == (set() if tied else {
+        n for n, p in model.named_parameters() if id(p) in {id(q) for q in model.get_output_embeddings().parameters()}})
+
+
+@pytest.mark.slow
+def test_gpt2_trains_from_the_command_line_and_its_export_loads(tmp_path):
+    """GPT-2 saved with save_pretrained and a byte-level BPE tokenizer, a GSM8K-format file: two steps, the export."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    rows = [dict(question=f"What is {a} plus {a + 3}?", answer=f"{a} + {a + 3} = {2 * a + 3}\n#### {2 * a + 3}")
+            for a in range(2, 60)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator([r["question"] + r["answer"] for r in rows], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = T.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+    torch.manual_seed(0)
+    T.GPT2LMHeadModel(T.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=len(tok), n_positions=512,
+                                   bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)).save_pretrained(
+        tmp_path / "gpt2")
+    tok.save_pretrained(tmp_path / "gpt2")
+    out = tmp_path / "run"
+    p = run_command(scalerl_command(
+        f"--model={tmp_path / 'gpt2'}", "--task=gsm8k", f"--data_path={tmp_path / 'rows.jsonl'}", f"--out_dir={out}",
+        "--dtype=float32", "--threads=1", "--max_steps=2", "--eval_every=2", "--eval_prompts=4", "--eval_samples=2",
+        "--batch_prompts=2", "--group_size=4", "--think_min=8", "--think_max=12", "--answer_budget=6",
+        "--max_prompt=128", "--slots=8", "--zero_var_filter=false"), timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert os.path.exists(out / "hf" / "config.json")
+    model = T.AutoModelForCausalLM.from_pretrained(out / "hf")
+    export_tok = T.AutoTokenizer.from_pretrained(out / "hf")
+    ids = export_tok("What is 2 plus 5?", return_tensors="pt").input_ids
+    assert model.generate(ids, max_new_tokens=4, do_sample=False).shape[1] == ids.shape[1] + 4
