@@ -303,11 +303,20 @@ def load_model(cfg, tasks):
     if cfg.model == "tiny":
         tok = data.char_tokenizer(data.ARITH_CHARS + ("code" in tasks) * data.CODE_CHARS)
         return trainer.tiny_model(cfg, len(tok)), tok
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    path, name = os.path.expanduser(cfg.model), f"--model={cfg.model}"
+    # a path, not a hub name (org/name): a missing folder says so, not the hub's repo-id rules
+    if (path.startswith((".", "/")) or path.count("/") > 1) and not os.path.isdir(path):
+        fail(f"{name}: no such directory (a local model is a folder written by save_pretrained)")
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        fail(f"{name} holds no tokenizer ({', '.join(TOKENIZER_FILES)}); save the model's tokenizer into it with "
+             "tokenizer.save_pretrained")
     t0 = time.time()
     print0(f"loading {cfg.model} ...", flush=True)
     try:
         tok = AutoTokenizer.from_pretrained(cfg.model)
+        with torch.device("meta"):  # checked before any weight loads: an 8B model is refused in seconds
+            check_model(cfg, AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model)), tok)
         model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
     except (OSError, ValueError) as e:  # a hub name offline or unknown, or a path without a model
         fail(f"cannot load --model={cfg.model}: {first_line(e)}; pass a local path, or go online "
@@ -326,3 +335,28 @@ def load_model(cfg, tasks):
                f"{len(tok)}), so the thinking close and the interruption phrase are exact")
     print0(f"loaded {cfg.model} in {time.time() - t0:.0f}s")
     return model, tok
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def check_model(cfg, model, tok):
+    """Refuse, in one line, a model the recipe cannot serve: a recurrent state (the PyTorch engine keeps a KV cache
+    only), no stack of decoder layers (FSDP2's units), a tokenizer with ids past the embeddings, budgets past the
+    model's positions."""
+    kind, name = type(model).__name__, f"--model={cfg.model}"
+    positions = getattr(model.config, "max_position_embeddings", None)  # GPT-2's n_positions too
+    longest = cfg.max_prompt + cfg.think_max + cfg.answer_budget + cfg.interrupt * len(
+        data.encode(tok, data.INTERRUPT_PHRASE))
+    if positions and longest > positions:
+        fail(f"a sequence can reach {longest:,} tokens (--max_prompt {cfg.max_prompt} + --think_max {cfg.think_max} "
+             f"+ the interruption phrase + --answer_budget {cfg.answer_budget}), over the {positions:,} positions of "
+             f"{name}; lower the budgets")
+    if getattr(model, "_is_stateful", False):
+        fail(f"{name} ({kind}) keeps a recurrent state, which the engines' KV caches do not hold; use an "
+             "attention-only decoder")
+    if not any(isinstance(m, torch.nn.ModuleList) for m in model.get_decoder().children()):
+        fail(f"{name} ({kind}) has no stack of decoder layers (a ModuleList in get_decoder()) to shard and cache")
+    if len(tok) > (rows := model.get_input_embeddings().weight.shape[0]):
+        fail(f"the tokenizer of {name} has {len(tok):,} ids but the model embeds {rows:,}; pass the model's own "
+             "tokenizer")

@@ -96,7 +96,8 @@ class VLLMEngine(Engine):
         # beside the trainer in one process) room for `slots` full-length sequences, eager
         cfg, dtype = model.config, next(model.parameters()).dtype
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * dtype.itemsize
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads  # GPT-2: none of its own
+        kv_bytes = 2 * cfg.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
         memory = dict(gpu_memory_utilization=gpu_share) if self.child and torch.cuda.is_available() else \
             dict(kv_cache_memory_bytes=kv_bytes * slots * (self.max_len + 128), enforce_eager=True)
         with vllm_start(self.child):

@@ -9,7 +9,6 @@ random weights (nothing downloaded), through the trainer's Policy and the PyTorc
 """
 import copy
 import json
-import os
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ import transformers as T
 
 import losses
 import trainer
-from conftest import run_command, scalerl_command
+from conftest import one_line_error, run_command, scalerl_command
 from engine import Sample, TorchEngine
 from infra import dist
 
@@ -108,32 +107,74 @@ def test_bf16_body_and_fp32_head_agree_across_families(name):
         n for n, p in model.named_parameters() if id(p) in {id(q) for q in model.get_output_embeddings().parameters()}})
 
 
-@pytest.mark.slow
-def test_gpt2_trains_from_the_command_line_and_its_export_loads(tmp_path):
-    """GPT-2 saved with save_pretrained and a byte-level BPE tokenizer, a GSM8K-format file: two steps, the export."""
+@pytest.fixture(scope="module")
+def own(tmp_path_factory):
+    """(base dir, a byte-level BPE tokenizer, a GSM8K-format file): what a user brings besides the model."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    base = tmp_path_factory.mktemp("arch")
     rows = [dict(question=f"What is {a} plus {a + 3}?", answer=f"{a} + {a + 3} = {2 * a + 3}\n#### {2 * a + 3}")
             for a in range(2, 60)]
-    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (base / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     bpe.train_from_iterator([r["question"] + r["answer"] for r in rows], trainers.BpeTrainer(
         vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = T.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+    return base, T.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>"), base / "rows.jsonl"
+
+
+def saved(own, name, model, tokenizer=True):
+    """`model` (and the tokenizer) written with save_pretrained into a folder of the base dir."""
+    base, tok, _ = own
+    model.save_pretrained(base / name)
+    if tokenizer:
+        tok.save_pretrained(base / name)
+    return base / name
+
+
+def gpt2(tok, **kw):
     torch.manual_seed(0)
-    T.GPT2LMHeadModel(T.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=len(tok), n_positions=512,
-                                   bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)).save_pretrained(
-        tmp_path / "gpt2")
-    tok.save_pretrained(tmp_path / "gpt2")
+    return T.GPT2LMHeadModel(T.GPT2Config(**{**dict(n_embd=64, n_layer=2, n_head=4, vocab_size=len(tok),
+                                                     n_positions=512, bos_token_id=tok.eos_token_id,
+                                                     eos_token_id=tok.eos_token_id), **kw}))
+
+
+def command(own, model, out, *args):
+    return scalerl_command(
+        f"--model={model}", "--task=gsm8k", f"--data_path={own[2]}", f"--out_dir={out}", "--dtype=float32",
+        "--threads=1", "--max_steps=2", "--eval_every=2", "--eval_prompts=4", "--eval_samples=2", "--batch_prompts=2",
+        "--group_size=4", "--think_min=8", "--think_max=12", "--answer_budget=6", "--max_prompt=128", "--slots=8",
+        "--zero_var_filter=false", *args)
+
+
+@pytest.mark.slow
+def test_gpt2_trains_from_the_command_line_and_its_export_loads(own, tmp_path):
+    """GPT-2 saved with save_pretrained and a byte-level BPE tokenizer, a GSM8K-format file: two steps, the export."""
     out = tmp_path / "run"
-    p = run_command(scalerl_command(
-        f"--model={tmp_path / 'gpt2'}", "--task=gsm8k", f"--data_path={tmp_path / 'rows.jsonl'}", f"--out_dir={out}",
-        "--dtype=float32", "--threads=1", "--max_steps=2", "--eval_every=2", "--eval_prompts=4", "--eval_samples=2",
-        "--batch_prompts=2", "--group_size=4", "--think_min=8", "--think_max=12", "--answer_budget=6",
-        "--max_prompt=128", "--slots=8", "--zero_var_filter=false"), timeout=300)
+    p = run_command(command(own, saved(own, "gpt2", gpt2(own[1])), out), timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert os.path.exists(out / "hf" / "config.json")
     model = T.AutoModelForCausalLM.from_pretrained(out / "hf")
     export_tok = T.AutoTokenizer.from_pretrained(out / "hf")
     ids = export_tok("What is 2 plus 5?", return_tensors="pt").input_ids
     assert model.generate(ids, max_new_tokens=4, do_sample=False).shape[1] == ids.shape[1] + 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, expected", [
+    ("missing", "no such directory"),
+    ("no_tokenizer", "holds no tokenizer"),
+    ("small_vocab", "ids but the model embeds"),
+    ("positions", "over the 64 positions"),
+    ("recurrent", "keeps a recurrent state"),
+])
+def test_a_model_the_recipe_cannot_serve_is_refused_in_one_line(own, tmp_path, case, expected):
+    tok = own[1]
+    model = {"missing": lambda: own[0] / "nowhere" / "model",
+             "no_tokenizer": lambda: saved(own, "bare", gpt2(tok), tokenizer=False),
+             "small_vocab": lambda: saved(own, "small", gpt2(tok, vocab_size=len(tok) - 20)),
+             "positions": lambda: saved(own, "short", gpt2(tok, n_positions=64)),
+             "recurrent": lambda: saved(own, "mamba", T.MambaForCausalLM(T.MambaConfig(
+                 vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, state_size=4)))}[case]()
+    out = tmp_path / "run"
+    line = one_line_error(run_command(command(own, model, out), timeout=300))
+    assert expected in line, line
+    assert not out.exists()  # nothing written
