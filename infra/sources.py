@@ -163,10 +163,22 @@ def _read_rows(source, path, hub, config, split):
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
         return pq.read_table(path).to_pylist()
-    with open(path, encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()] if path.endswith(".jsonl") else json.load(f)
+    n = 0  # the line being read: errors name the file and the line
+    try:
+        with open(path, encoding="utf-8") as f:
+            if not path.endswith(".jsonl"):
+                rows = json.load(f)
+            else:
+                rows = [json.loads(line) for n, line in enumerate(f, 1) if line.strip()]
+    except json.JSONDecodeError as e:
+        what = "one {column: value} object per line" if n else "a list of {column: value} objects"
+        raise ValueError(f"{path!r} line {n or e.lineno}: not valid JSON ({e.msg}); expected {what}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path!r} is not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise ValueError(f"{path!r}: expected a list of records, one {{column: value}} object per row")
+    if not rows:
+        raise ValueError(f"{path!r} is empty: no rows")
     return rows
 
 
@@ -186,8 +198,8 @@ def _dataset_problems(source, data_path, prompt_key, answer_key, kw):
         raise ValueError(f"source {source!r} is checked with math-verify: pip install math-verify")
     prompt_key, answer_key = prompt_key or prompt_col, answer_key or ("tests" if code else answer_col)
     trace_key = kw.get("trace_key")  # a column of worked solutions, in place of the answer's own
-    for key in (prompt_key, answer_key):
-        if rows and key not in rows[0]:
+    for key in (prompt_key, answer_key):  # in any row: a row without it is skipped and counted below
+        if rows and not any(key in r for r in rows):
             raise ValueError(f"dataset {source!r} has no column {key!r}; columns: {sorted(rows[0])}; pass "
                              f"--prompt_key/--answer_key")
     task, instruction = ("code", data.CODE_INSTRUCTION) if code else ("math", data.MATH_INSTRUCTION)
@@ -204,6 +216,9 @@ def _dataset_problems(source, data_path, prompt_key, answer_key, kw):
                                          trace.strip()))
     if not problems and code:
         raise ValueError(f"dataset {source!r}: no row has stdin/stdout tests in its {answer_key!r} column")
+    if len(problems) < len(rows):
+        print0(f"note: {len(rows) - len(problems):,} of {len(rows):,} rows of {source!r} skipped: no question in "
+               f"{prompt_key!r} or no checkable answer in {answer_key!r}")
     return problems
 
 
@@ -252,8 +267,8 @@ def load_problems(source, n_val=1000, seed=0, n_train=None, prompt_key=None, ans
     else:
         problems = _dataset_problems(source, data_path, prompt_key, answer_key, kw)
     if len(problems) <= n_val:
-        raise ValueError(f"source {source!r} has {len(problems)} usable prompts; n_val={n_val} leaves "
-                         f"none for training; pass a smaller n_val")
+        raise ValueError(f"source {source!r} has {len(problems)} usable prompts; holding out {n_val} for evaluation "
+                         f"leaves none for training; pass a smaller --eval_prompts")
     random.Random(seed).shuffle(problems)
     val = problems[:n_val]
     seen = {p.question for p in val}  # the same question under another id must not leak into training

@@ -462,3 +462,27 @@ def test_pool_state_round_trip_mid_epoch(tmp_path):
     assert expected[1]["groups_seen"] == 39 and expected[1]["removed"]
     with pytest.raises(ValueError, match="prompt ids"):
         PromptPool(pool_problems(3)).load_state_dict(state)
+
+
+@pytest.mark.parametrize("text, expected", [
+    (b'{"problem": "a", "answer": "1"}\n{"problem": "b", "answer": \n', "rows.jsonl' line 2: not valid JSON"),
+    (b'{"problem": "a\x01", "answer": "1"}\n', "rows.jsonl' line 1: not valid JSON (Invalid control character"),
+    (b'{"problem": "\xff"}\n', "rows.jsonl' is not UTF-8 text"),
+    (b"\n\n", "rows.jsonl' is empty"),
+])
+def test_a_bad_file_names_itself_and_the_line(tmp_path, text, expected):
+    (tmp_path / "rows.jsonl").write_bytes(text)
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        load_problems(str(tmp_path / "rows.jsonl"), n_val=1)
+
+
+def test_unusable_rows_are_counted_wherever_they_are(tmp_path, capsys):
+    """A first row without the prompt column does not reject the file; rows without a question or an answer are
+    skipped and counted in one line; too few left for the held-out set names --eval_prompts."""
+    rows = [{"other": 1}] + [{"problem": f"q{i}", "answer": str(i)} for i in range(10)] + [{"problem": "x"}]
+    path = write(tmp_path / "rows.jsonl", rows, "jsonl")
+    train, val = load_problems(path, n_val=2)
+    assert len(train) + len(val) == 10
+    assert "2 of 12 rows" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="pass a smaller --eval_prompts"):
+        load_problems(path, n_val=10)
