@@ -11,7 +11,6 @@ half of the gain at C_mid. Choices:
    residual bootstrap of A. Recipes whose A agree within 0.02 are compared by B at their mean A.
 5. Power-law baseline R = A - D / C**B (App. A): it overshoots the ceiling when fitted early.
 6. "Slope equals B" (Fig. 7): log((R - R0) / (A - R)) is a straight line of slope B in log C.
-Usage: python sigmoid_fit.py out/<run> [more runs or CSVs] [--plot curve.png] [--per-task]   (--help: the options)
 """
 import argparse
 from collections import namedtuple
@@ -20,18 +19,16 @@ import json
 import os
 import re
 import sys
-from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import least_squares, minimize_scalar
 from scipy.special import expit
 
-# The paper's grid (App. A): C_mid in GPU-hours, evenly spaced (the paper does not say). Bounds (ours): A in [R0, 1],
-# B in B_BOUNDS. MIN_POINTS: one more than the three fitted parameters.
+# The paper's grid (App. A): C_mid in GPU-hours, evenly spaced (the paper does not say). Ours: A in [R0, 1], B_BOUNDS.
 PAPER_A_GRID = np.round(np.arange(0.450, 0.8001, 0.005), 3)
 PAPER_CMID_GRID = np.linspace(100.0, 40000.0, 100)
 B_BOUNDS = (0.05, 20.0)
-MIN_POINTS = 4
+MIN_POINTS = 4  # one more than the three fitted parameters
 NOISE_MARGIN = 0.02
 
 
@@ -51,32 +48,14 @@ def sigmoid(C, A, B, C_mid, R0):
     return R0 + (A - R0) * expit(B * (logc - np.log(C_mid)))
 
 
-@dataclass
-class SigmoidFit:
+class SigmoidFit(namedtuple("SigmoidFit", "A B C_mid R0 sse rmse window n_points A_std A_ci",
+                            defaults=(float("nan"), (float("nan"), float("nan"))))):
     """sse, rmse: over the n_points fitted points, window: their compute range; A_std, A_ci: bootstrap std, 5-95%."""
-    A: float
-    B: float
-    C_mid: float
-    R0: float
-    sse: float
-    rmse: float
-    window: tuple
-    n_points: int
-    A_std: float = float("nan")
-    A_ci: tuple = (float("nan"), float("nan"))
-
     def predict(self, C):
         return sigmoid(C, self.A, self.B, self.C_mid, self.R0)
 
 
-@dataclass
-class PowerLawFit:
-    A: float
-    D: float
-    B: float
-    sse: float
-    rmse: float
-
+class PowerLawFit(namedtuple("PowerLawFit", "A D B sse rmse")):
     def predict(self, C):
         return self.A - self.D / np.asarray(C, dtype=float) ** self.B
 
@@ -134,8 +113,7 @@ def fit_sigmoid(C, R, R0, c_min=None, c_max=None, paper_grid=False, n_boot=100, 
         l_vals = np.linspace(logc.min() - np.log(10), logc.max() + np.log(100), 61)
     A, B, L, sse = _grid_search(a_vals, l_vals, logc, R, R0)
     da, dl = (a_hi - a_lo) / 40, l_vals[1] - l_vals[0]
-    # Zoom the adaptive grid: 11 x 11 cells over +-2 steps around the best. A and C_mid trade off along a narrow valley:
-    # with the best cell on the edge, follow it at the same step, else halve the step, down to 1e-4 in log C_mid.
+    # Zoom the adaptive grid in; A and C_mid trade off along a narrow valley, so a best cell on the edge is followed.
     for _ in range(0 if paper_grid else 50):
         a_z = np.unique(np.clip(np.linspace(A - 2 * da, A + 2 * da, 11), a_lo, a_hi))
         l_z = np.linspace(L - 2 * dl, L + 2 * dl, 11)
@@ -156,11 +134,11 @@ def fit_sigmoid(C, R, R0, c_min=None, c_max=None, paper_grid=False, n_boot=100, 
     fit = SigmoidFit(float(A), float(B), float(np.exp(L)), float(R0), float(sse), float(np.sqrt(sse / len(C))),
                      (float(C.min()), float(C.max())), len(C))
     if fix_A is not None:
-        fit.A_std, fit.A_ci = 0.0, (float(fix_A), float(fix_A))
+        fit = fit._replace(A_std=0.0, A_ci=(float(fix_A), float(fix_A)))
     elif n_boot > 0:
         fitted, rng = curve_jac([A, B, L])[0], np.random.default_rng(seed)
         a = [refit(fitted + rng.choice(R - fitted, size=R.size))[0] for _ in range(n_boot)]
-        fit.A_std, fit.A_ci = float(np.std(a)), (float(np.percentile(a, 5)), float(np.percentile(a, 95)))
+        fit = fit._replace(A_std=float(np.std(a)), A_ci=(float(np.percentile(a, 5)), float(np.percentile(a, 95))))
     return fit
 
 
@@ -170,7 +148,6 @@ def fit_power_law(C, R, c_min=None, c_max=None):
     def solve(b):
         x = C ** -b
         (A, D), *_ = np.linalg.lstsq(np.stack([np.ones_like(x), -x], axis=1), R, rcond=None)
-        # A pass rate cannot exceed 1: pin A and refit D alone.
         if A > 1.0:
             A, D = 1.0, float(x @ (1.0 - R) / (x @ x))
         return A, D, float(((A - D * x - R) ** 2).sum())
@@ -232,8 +209,7 @@ def plot_runs(runs, path, power_law=False, fit_until=None, xlabel="compute (devi
             xs = np.concatenate([x_in, x_out])
             ax.plot(xs, np.minimum(pl.predict(xs), 1.0), ":", color=color, label=f"  power law: A={pl.A:.3f}")
     ax.set(xscale="log", xlabel=xlabel, ylabel="pass rate")
-    # Readable ticks: matplotlib labels every minor tick of an axis about a decade long, overlapping. Label the
-    # decades; with fewer than two in view, 1, 2, 5 x 10^k (1, 2, 3, 5 x 10^k on an axis under a decade).
+    # Readable ticks: matplotlib labels every minor tick of an axis about a decade long, and the labels overlap.
     ax.xaxis.set_minor_formatter(NullFormatter())
     c_lo, c_hi = np.log10(ax.get_xlim())
     if np.floor(c_hi) - np.ceil(c_lo) < 1:
@@ -275,9 +251,8 @@ def _csv_rows(path, lines, compute_key, metric_key):
            f"{path}: the first row holds numbers, not column names; add a header row, e.g. compute,pass_rate")
     if compute_key == "device_hours" and compute_key not in names and "compute" in names:
         compute_key = "compute"
-    missing = f"{path} has no column {{!r}} (columns: {', '.join(names)}); pass {{}}"
-    _check(metric_key in names, missing.format(metric_key, "--metric=NAME"))
-    _check(compute_key in names, missing.format(compute_key, "--compute=NAME"))
+    for key, flag in ((metric_key, "--metric"), (compute_key, "--compute")):
+        _check(key in names, f"{path} has no column {key!r} (columns: {', '.join(names)}); pass {flag}=NAME")
     cols = names.index(compute_key), names.index(metric_key)
     for n, cells in table:
         try:
@@ -288,8 +263,7 @@ def _csv_rows(path, lines, compute_key, metric_key):
 
 
 def read_points(path, compute_key="device_hours", metric_key="pass_rate"):
-    """(C, R, r0_guess) from a metrics.jsonl (eval rows: those holding metric_key) or a CSV. Only points with C > 0
-    are returned; r0_guess is R at compute 0 (None if absent)."""
+    """(C, R) of the points with C > 0, and R at C = 0 (None if absent), from a metrics.jsonl's eval rows or a CSV."""
     path, lines = _log_lines(path)
     if path.lower().endswith(".csv"):
         rows = list(_csv_rows(path, lines, compute_key, metric_key))
