@@ -16,7 +16,7 @@ import transformers as T
 
 import losses
 import trainer
-from conftest import one_line_error, run_command, scalerl_command
+from conftest import one_line_error, run_command, scalerl_command, torchrun_command
 from engine import Sample, TorchEngine
 from infra import dist
 
@@ -178,3 +178,21 @@ def test_a_model_the_recipe_cannot_serve_is_refused_in_one_line(own, tmp_path, c
     line = one_line_error(run_command(command(own, model, out), timeout=300))
     assert expected in line, line
     assert not out.exists()  # nothing written
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, ranks", [("gpt2", 2), ("gpt_neox", 3)])
+def test_two_families_run_under_torchrun(own, tmp_path, name, ranks):
+    """GPT-2 with a generator rank, GPT-NeoX with two FSDP2 trainer ranks: weight buckets named by each family's
+    layers (transformer.h.N, gpt_neox.layers.N), the evaluation on the generator rank, the export."""
+    tok = own[1]
+    model = gpt2(tok) if name == "gpt2" else T.GPTNeoXForCausalLM(T.GPTNeoXConfig(
+        **{**BASE, "vocab_size": len(tok)}, max_position_embeddings=512, eos_token_id=tok.eos_token_id))
+    out = tmp_path / "run"
+    cmd = torchrun_command("--standalone", f"--nproc_per_node={ranks}", *command(own, saved(own, name, model), out,
+                                                                               "--gen_ranks=1")[1:])
+    p = run_command(cmd, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows if "reward" in r] == [1, 2] and any("pass_rate" in r for r in rows)
+    assert T.AutoModelForCausalLM.from_pretrained(out / "hf").config.model_type == name
