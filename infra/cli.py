@@ -49,14 +49,20 @@ def parse_args(argv, config_cls, presets):
     parser = argparse.ArgumentParser(allow_abbrev=False, argument_default=argparse.SUPPRESS)
     # argparse's complaints ("argument --lr: invalid float value: 'fast'") in one line, and --help as written here
     parser.error = lambda message: fail(f"{message.removeprefix('argument ')} (see --help)")
-    parser.format_help = lambda: help_text(config_cls, presets)
+    # --max-steps=7 is --max_steps=7
+    words = [re.sub(r"^--[^=]+", lambda m: "--" + m[0][2:].replace("-", "_"), word) for word in argv]
+    # --help shows the defaults this command line starts from: --config's preset, or "hub" for a --model
+    first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    first.add_argument("--config")
+    first.add_argument("--model", default="tiny")
+    seen = first.parse_known_args(words)[0]
+    parser.format_help = lambda: help_text(config_cls, presets, seen.config if seen.config in presets else (
+        "tiny" if seen.model == "tiny" else "hub"), seen.model)
     parser.add_argument("--config", choices=presets)
     kinds = typing.get_type_hints(config_cls)
     for f in fields(config_cls):
         kind = dict(type=boolean, nargs="?", const=True) if kinds[f.name] is bool else dict(type=kinds[f.name])
         parser.add_argument(f"--{f.name}", **kind)
-    # --max-steps=7 is --max_steps=7
-    words = [re.sub(r"^--[^=]+", lambda m: "--" + m[0][2:].replace("-", "_"), word) for word in argv]
     given, extra = parser.parse_known_args(words)
     if extra and not extra[0].startswith("--"):
         fail(f"unexpected argument {extra[0]!r}; options look like --key=value (see --help)")
@@ -68,11 +74,13 @@ def parse_args(argv, config_cls, presets):
     preset = over.pop("config", None)
     # tiny budgets never reach a real model
     model = over.get("model", presets[preset or "tiny"].get("model", "tiny"))
-    cfg = config_cls(**{**presets[preset or ("tiny" if model == "tiny" else "hub")], **over})
+    base = preset or ("tiny" if model == "tiny" else "hub")
+    cfg = config_cls(**{**presets[base], **over})
     saved = os.path.join(cfg.out_dir, "config.json")
     if (cfg.resume or cfg.eval_only or cfg.export) and os.path.exists(saved):
         cfg = restore_options(cfg, saved, {**presets.get(preset, {}), **over})
     validate(cfg)
+    cfg.preset = base  # the header names it
     return cfg
 
 
@@ -100,17 +108,20 @@ def comments(config_cls):
     return out
 
 
-def help_text(config_cls, presets):
-    """--help: the presets, then each option's default and comment, by section."""
+def help_text(config_cls, presets, base="tiny", model="tiny"):
+    """--help: the presets, then each option's default (preset `base`'s, and --model) and comment, by section."""
+    start = {**presets[base], **({} if model == "tiny" else {"model": model})}
     lines = ["usage: python scalerl.py [--config NAME] [--key=value ...]  (the same under torchrun)", "",
              textwrap.fill(f"presets (--config NAME): {', '.join(presets)}; a --model other than tiny starts from "
-                           "'hub'", 120), "", "options (--key=value; default, then meaning), by section:"]
+                           "'hub'", 120), "", f"options (--key=value; default from preset '{base}', then meaning), by "
+             "section:"]
     docs, section = comments(config_cls), None
     for f in fields(config_cls):
         if docs[f.name][0] != section:
             section = docs[f.name][0]
             lines += ["", f"# {section}"]
-        default = json.dumps(f.default) if isinstance(f.default, str) else f.default
+        default = start.get(f.name, f.default)
+        default = json.dumps(default) if isinstance(default, str) else default
         lines.append(textwrap.fill(f"  --{f.name}={default}".ljust(35) + " " + docs[f.name][1], 120,
                                    subsequent_indent=" " * 36))
     return "\n".join(lines) + "\n"

@@ -283,10 +283,10 @@ class Log:
             self.tracker = wandb.init(project="scalerl", name=os.path.basename(os.path.normpath(cfg.out_dir)),
                                       config=asdict(cfg), dir=cfg.out_dir, resume="allow",
                                       id=re.sub(r"\W", "-", os.path.abspath(cfg.out_dir))[-64:])
-        print(f"scalerl | {cfg.model} {n_params / 1e6:.2f}M params, body {cfg.dtype}, head "
-              f"{'fp32' if cfg.fp32_head else cfg.dtype} | {cfg.task}: {len(train)} train / {len(val)} held-out "
-              f"prompts\n  {B} prompts x {G} completions = {B * G} per step | {cfg.max_steps} steps | think "
-              f"{cfg.think_min}-{cfg.think_max} + answer {cfg.answer_budget} tokens | interruption "
+        print(f"scalerl | preset {getattr(cfg, 'preset', '-')} | {cfg.model} {n_params / 1e6:.2f}M params, body "
+              f"{cfg.dtype}, head {'fp32' if cfg.fp32_head else cfg.dtype} | {cfg.task}: {len(train)} train / "
+              f"{len(val)} held-out prompts\n  {B} prompts x {G} completions = {B * G} per step | {cfg.max_steps} "
+              f"steps | think {cfg.think_min}-{cfg.think_max} + answer {cfg.answer_budget} tokens | interruption "
               f"{'on' if cfg.interrupt else 'off'}\n  {cfg.loss} loss, {cfg.agg} aggregation, {cfg.adv_norm} adv "
               f"norm, zero-var filter {cfg.zero_var_filter}, NPR {cfg.npr} | "
               f"{'PipelineRL' if cfg.off_policy == 'pipeline' else 'PPO-off-policy'}-{cfg.max_lag}, "

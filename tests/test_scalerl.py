@@ -157,6 +157,22 @@ def test_help_reads_sections_and_continued_comments(capsys):
     assert [out.index(text) for text in order] == sorted(out.index(text) for text in order), out
 
 
+@pytest.mark.parametrize("argv, preset", [([], "tiny"), (["--model=my/model"], "hub"), (["--config=8b"], "8b"),
+                                          (["--config", "math_1.7b", "--model=./m"], "math_1.7b")])
+def test_help_shows_the_defaults_this_command_line_starts_from(capsys, argv, preset):
+    """--help given --model or --config shows the preset's defaults (a --model other than tiny: 'hub'), and
+    the run's header names the preset (cfg.preset)."""
+    with pytest.raises(SystemExit):
+        scalerl.parse_args(argv + ["--help"])
+    out = capsys.readouterr().out
+    want = {**scalerl.PRESETS[preset], **{a.split("=")[0][2:]: a.split("=")[1] for a in argv if "--model=" in a}}
+    assert f"default from preset '{preset}'" in out
+    for key in ("think_max", "lr", "batch_prompts", "model", "dtype"):
+        value = want.get(key, getattr(scalerl.Config, key))
+        assert f"--{key}={json.dumps(value) if isinstance(value, str) else value} " in out, key
+    assert scalerl.parse_args(argv).preset == preset
+
+
 def test_help_lists_every_option_with_its_comment(capsys):
     """--help (in-process) names every preset and every Config field with its default and its whole comment,
     the comment-only lines that continue it included."""
