@@ -290,7 +290,8 @@ class Log:
               f"{'on' if cfg.interrupt else 'off'}\n  {cfg.loss} loss, {cfg.agg} aggregation, {cfg.adv_norm} adv "
               f"norm, zero-var filter {cfg.zero_var_filter}, NPR {cfg.npr} | "
               f"{'PipelineRL' if cfg.off_policy == 'pipeline' else 'PPO-off-policy'}-{cfg.max_lag}, "
-              f"{cfg.decode_per_step} decode steps per train step | engine {cfg.engine}, {cfg.slots} slots")
+              f"{cfg.decode_per_step} decode steps per train step | engine {cfg.engine}, {cfg.slots} slots | "
+              f"{torch.get_num_threads()} CPU thread(s)")
         # which protections the code sandbox has on this machine (Landlock, namespaces, uids)
         if "code" in tasks:
             print(f"  code sandbox: {sandbox_description()}")

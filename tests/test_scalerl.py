@@ -373,3 +373,22 @@ def test_bad_task_source(runs, case):
     line = one_line_error(p)
     assert str(path) in line and needle in line, line
     assert not os.path.exists(d / "run" / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("load, world, want", [(0.1, None, 2), (1.2, None, 1), (0.0, "2", 1)])
+def test_threads_follow_the_cores_left_idle(monkeypatch, load, world, want):
+    """--threads=0: two threads in one process on an idle machine; one when another job keeps a core busy (two
+    threads on a shared core wait on each other) or under torchrun."""
+    from infra import run
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    if world:
+        monkeypatch.setenv("WORLD_SIZE", world)
+    else:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    before = torch.get_num_threads()
+    try:
+        run.set_threads(scalerl.Config())
+        assert torch.get_num_threads() == want
+    finally:
+        torch.set_num_threads(before)
