@@ -52,10 +52,13 @@ def parse_args(argv, config_cls, presets):
     # --max-steps=7 is --max_steps=7
     words = [re.sub(r"^--[^=]+", lambda m: "--" + m[0][2:].replace("-", "_"), word) for word in argv]
     # --help shows the defaults this command line starts from: --config's preset, or "hub" for a --model
-    first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    first = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     first.add_argument("--config")
     first.add_argument("--model", default="tiny")
-    seen = first.parse_known_args(words)[0]
+    try:
+        seen = first.parse_known_args(words)[0]
+    except argparse.ArgumentError:  # the parser below says what is wrong
+        seen = argparse.Namespace(config=None, model="tiny")
     parser.format_help = lambda: help_text(config_cls, presets, seen.config if seen.config in presets else (
         "tiny" if seen.model == "tiny" else "hub"), seen.model)
     parser.add_argument("--config", choices=presets)

@@ -42,6 +42,14 @@ def lock_run_dir(out_dir):
         return
     os.makedirs(out_dir, exist_ok=True)
     fd = os.open(os.path.join(out_dir, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    refuse_if_live(out_dir, fd)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    HELD[os.path.realpath(out_dir)] = fd
+
+
+def refuse_if_live(out_dir, fd):
+    """Takes the flock on `fd` (out_dir/.lock), or stops with one line naming the live run that holds it."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -51,13 +59,22 @@ def lock_run_dir(out_dir):
             time.sleep(0.05)
         fail(f"run directory {out_dir} is in use by a live run (pid {holder}); wait for it or stop it, or pick another "
              "--out_dir")
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    HELD[os.path.realpath(out_dir)] = fd
 
 
 def check_run_dir(cfg):
-    """A fresh start refuses a directory that holds a run (a checkpoint, or logged steps); --resume needs ckpt.pt."""
+    """A fresh start refuses a directory that holds a run (a checkpoint, or logged steps); --resume needs ckpt.pt. A
+    live run's directory and one that cannot be written are refused too, all before anything is written or said."""
+    lock, here = os.path.join(cfg.out_dir, ".lock"), os.path.abspath(cfg.out_dir)
+    if os.path.realpath(cfg.out_dir) not in HELD and os.path.exists(lock):
+        fd = os.open(lock, os.O_RDONLY)  # the lock itself is taken later, once the run writes
+        try:
+            refuse_if_live(cfg.out_dir, fd)
+        finally:
+            os.close(fd)
+    while not os.path.exists(here):  # the folder, or the first one above it that exists (a fresh run makes it)
+        here = os.path.dirname(here)
+    if not os.access(here, os.W_OK):
+        fail(f"cannot write run directory {cfg.out_dir}: {here} is read-only or not ours; pick a writable --out_dir")
     ckpt = os.path.join(cfg.out_dir, "ckpt.pt")
     trained = any(r["step"] > 0 for r in read_metrics(os.path.join(cfg.out_dir, "metrics.jsonl")))
     if not cfg.resume and (os.path.exists(ckpt) or trained):

@@ -13,6 +13,7 @@
 Run: python -m pytest tests/test_faults.py
 """
 import errno
+import fcntl
 import os
 import signal
 import subprocess
@@ -22,7 +23,8 @@ import pytest
 import torch
 
 import scalerl
-from conftest import ENV, ROOT, one_line_error, read_jsonl, run_command, scalerl_command, torchrun_command
+from conftest import (ENV, ROOT, one_line_error, read_jsonl, run_command, scalerl_command, torchrun_command,
+                      tree_hashes)
 
 pytestmark = pytest.mark.slow
 
@@ -187,3 +189,34 @@ def test_torchrun_generator_write_fails_cleanly(base):
     for module in ("scalerl.py", "pipeline_rl.py", "trainer.py", "infra/dist.py", "infra/run.py", "infra/rundir.py"):
         assert f'{module}", line' not in p.stderr, p.stderr[-3000:]
     assert not (out / "generator2.pt.tmp").exists()
+
+
+def test_resume_of_a_live_run_is_refused_before_it_says_anything(base):
+    """--resume while another process holds the run's lock: one line naming that pid, nothing printed before it (no
+    "resumed ... at step"), nothing in the directory changed."""
+    out = base / "live"
+    assert run_command(command(out, "--max_steps=2")).returncode == 0
+    fd = os.open(out / ".lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a live run holds it
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, b"4242", 0)
+        before = tree_hashes(out)
+        p = run_command(command(out, "--resume", "--max_steps=4"))
+        assert "in use by a live run (pid 4242)" in one_line_error(p) and "resumed" not in p.stdout
+        assert tree_hashes(out) == before
+    finally:
+        os.close(fd)
+
+
+def test_a_read_only_run_directory_is_refused_in_one_line_at_start(base):
+    path = base / "ro"
+    path.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a read-only tmpfs here (needs root)")
+    try:
+        p = run_command(command(path / "run"))
+        assert "cannot write run directory" in one_line_error(p) and "warm start" not in p.stdout
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
