@@ -300,6 +300,13 @@ def load_data(cfg):
                               for src in sources])
     except ValueError as e:
         fail(str(e))
+    # a prompt of more characters than --max_prompt tokens of 256 characters cannot fit: dropped untokenized (the
+    # length check after tokenizing would hold a 5 MB prompt's tokens in memory first)
+    n, most = len(train) + len(val), 256 * cfg.max_prompt
+    train, val = [p for p in train if len(p.question) <= most], [p for p in val if len(p.question) <= most]
+    if len(train) + len(val) < n:
+        print0(f"note: {n - len(train) - len(val):,} prompts of over {most:,} characters skipped: none fits "
+               f"--max_prompt={cfg.max_prompt} tokens")
     if cfg.model == "tiny" and not set(sources) <= {"arith", "code"}:
         fail(f"the tiny character-level model only covers --task=arith, code or arith+code; pass --model=<hub name or "
              f"path> for {cfg.task}")

@@ -486,3 +486,14 @@ def test_unusable_rows_are_counted_wherever_they_are(tmp_path, capsys):
     assert "2 of 12 rows" in capsys.readouterr().out
     with pytest.raises(ValueError, match="pass a smaller --eval_prompts"):
         load_problems(path, n_val=10)
+
+
+def test_a_prompt_too_long_for_any_tokenizer_is_dropped_untokenized(tmp_path, capsys):
+    import scalerl
+    from infra import sources
+    rows = [{"problem": f"q{i}", "answer": str(i)} for i in range(12)] + [{"problem": "x" * 5_000_000, "answer": "1"}]
+    path = write(tmp_path / "rows.jsonl", rows, "jsonl")
+    cfg = scalerl.parse_args([f"--task={path}", "--model=some/model", "--eval_prompts=2", "--max_prompt=64"])
+    train, val, _ = sources.load_data(cfg)
+    assert len(train) + len(val) == 12 and max(len(p.question) for p in train + val) < 1000
+    assert "1 prompts of over 16,384 characters skipped" in capsys.readouterr().out
