@@ -100,7 +100,6 @@ def arith_problems(n, seed=0, levels=(1, 2, 3, 4, 5), error_rate=0.0, start_id=0
     out = []
     for pid in range(start_id, start_id + n):
         level, rng = levels[pid % len(levels)], random.Random(f"arith:{seed}:{pid}")
-        # rejection sampling into the requested side of the split
         for _ in range(10_000):
             terms = [rng.randrange(10) for _ in range(level + 1)]
             question = "+".join(map(str, terms))
@@ -188,10 +187,9 @@ def reward(problem, completion, timeout=5.0):
     try:
         text = extract_answer(completion)
         check = CHECKERS.get(problem.task) or CHECKERS.get(problem.task.partition(":")[0] + ":")
-        ok = bool(text) and check is not None and check(problem, text, timeout)
+        return 1.0 if text and check is not None and check(problem, text, timeout) else -1.0
     except Exception:
-        ok = False
-    return 1.0 if ok else -1.0
+        return -1.0
 
 
 def parallel_map(fn, items):

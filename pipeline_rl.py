@@ -20,7 +20,6 @@ from engine import Sample
 
 
 def first_line(e):
-    """The first line of an exception's message, for one-line warnings and errors."""
     return (str(e).strip().splitlines() or [""])[0][:300]
 
 
@@ -97,7 +96,6 @@ class PromptPool:
         self._start_epoch(0)
 
     def _start_epoch(self, epoch):
-        """A seeded order of the prompts not removed (NPR)."""
         self.epoch, self.position, self.order = epoch, 0, sorted(set(self.problems) - self.removed)
         random.Random(f"pool:{self.seed}:{epoch}").shuffle(self.order)
 
@@ -105,7 +103,6 @@ class PromptPool:
     zero_var_frac = property(lambda self: self.zero_var_dropped / self.groups_seen if self.groups_seen else 0.0)
 
     def next(self):
-        # epoch exhausted: the next one leaves out removed prompts
         if self.position >= len(self.order):
             self._start_epoch(self.epoch + 1)
             if not self.order:
@@ -179,8 +176,7 @@ def make_pool(problems, tasks, code_frac=0.5, **pool_kw):
     """One PromptPool, or for several tasks a MixedPool: code takes `code_frac`, the others share the rest equally."""
     if len(tasks) == 1:
         return PromptPool(problems, **pool_kw)
-    others = [t for t in tasks if t != "code"]
-    rest = (1 - code_frac if "code" in tasks else 1) / max(len(others), 1)
+    rest = (1 - code_frac if "code" in tasks else 1) / max(len(tasks) - tasks.count("code"), 1)
     return MixedPool(problems, {t: code_frac if t == "code" else rest for t in tasks}, **pool_kw)
 
 
@@ -198,8 +194,7 @@ def admission_limit(mode, version, k, B, dropped):
 
 
 class BatchSource:
-    """What Scheduler and TrainerLink (infra/dist.py, torchrun) share: a group with a token more than k versions older
-    than the trainer's when consumed (it finished out of order) is dropped (`dropped_stale`), never trained on."""
+    """What Scheduler and TrainerLink (infra/dist.py) share: a group over the lag bound k is dropped, counted."""
     def __init__(self, k, batch_prompts):
         self.k, self.B = k, batch_prompts
         # the trainer's policy version (steps taken); groups dropped for a lag over k
@@ -230,8 +225,7 @@ class BatchSource:
 
 
 class Scheduler(BatchSource):
-    """Batches of B scored groups from one process's engine, mode "pipeline" (PipelineRL-k) or "ppo" (PPO-off-policy-k);
-    `decode_per_step` engine steps overlap each optimizer step (a cluster's generator/trainer speed ratio)."""
+    """Batches of B scored groups from one process's engine; mode "pipeline": PipelineRL-k, "ppo": PPO-off-policy-k."""
     def __init__(self, rollouts, *, mode, k, batch_prompts, group_size, decode_per_step=0):
         assert mode in ("pipeline", "ppo") and k >= (mode == "ppo"), (mode, k)
         super().__init__(k, batch_prompts)
@@ -242,16 +236,16 @@ class Scheduler(BatchSource):
 
     def next_batch(self):
         """The next B groups to train on, scored, the zero-variance filter applied."""
+        t = time.time()
         if self.mode == "ppo" and not self.ready:
             templates = [self.rollouts.next_template(self.admitted + j) for j in range(self.k * self.B)]
             self.admitted += len(templates)
-            t = time.time()
             self.ready = self.engine.generate(templates, self.G)
-            self.gen_s += time.time() - t
         groups = self._collect(self.B, self._next_ready)
         # generation that overlaps this optimizer step, on the old weights
         if self.mode == "pipeline":
             self._run(self.decode_per_step)
+        self.gen_s += time.time() - t
         self.rollouts.score(groups)
         return self._batch(groups, [g for g in groups if self.rollouts.keep(g)])
 
@@ -262,7 +256,7 @@ class Scheduler(BatchSource):
 
     def _run(self, n_steps=None, need=0):
         """Advance the engine n_steps (or until `need` groups are ready), admitting as the lag bound allows."""
-        t, i = time.time(), 0
+        i = 0
         while (len(self.ready) < need) if n_steps is None else (i < n_steps):
             while self.admitted < admission_limit(self.mode, self.version, self.k, self.B, self.dropped_stale):
                 self.engine.add(self.rollouts.next_template(self.admitted), self.G)
@@ -273,7 +267,6 @@ class Scheduler(BatchSource):
                 break
             self.ready += self.engine.step()
             i += 1
-        self.gen_s += time.time() - t
 
     def push_weights(self, policy):
         """New weights: PipelineRL loads them in flight (Sec. 3.1), PPO-off-policy once its k batches are used up."""

@@ -15,9 +15,7 @@ The paper's choices this run makes (sections are the paper's; each is implemente
      (App. A.16: 64 generating and 16 FSDP training GPUs per run). Device-hours count every rank.
 
 Read next: trainer.py, losses.py, pipeline_rl.py, engine.py, data.py, sigmoid_fit.py; the rest of a real run: infra/.
-
-Run it: `python scalerl.py` (one CPU, minutes; --help lists every option), `torchrun --standalone --nproc_per_node=2
-scalerl.py` (rank 0 trains, rank 1 generates); one GPU, many nodes and the 8b preset: the README.
+Run it: `python scalerl.py` (one CPU, minutes; --help lists every option); torchrun, GPUs and presets: the README.
 """
 from dataclasses import dataclass
 import os
@@ -153,7 +151,6 @@ PRESETS = {
 
 
 def parse_args(argv):
-    """--config NAME, then --key=value on top; --help lists every option (infra/cli.py)."""
     return cli.parse_args(argv, Config, PRESETS)
 
 
@@ -187,10 +184,12 @@ def main(cfg):
     step, clock = run.restore(cfg, ckpt, resume, job, policy, opt, source)
     log.open(step, clock, model, tok, train, val, tasks)
     comm = dist.TrainerComm(job)
-    # a resume at step 0 has this evaluation logged already
+    # a resume has its step's evaluation logged already, unless a kill tore that row
     if step == 0 and not cfg.resume:
         print0(f"step    0 | {evaluate(step, policy)} (before RL: R0)")
         rundir.save_checkpoint(cfg, step, log.clock, source, job, policy, opt)
+    elif log.lost_eval:
+        print0(f"step {step:4d} | {evaluate(step, policy)} (again: the row was lost)")
 
     # -- the loop ---------------------------------------------------------------------------------------------------
     bad_run, stop = 0, None

@@ -1,8 +1,7 @@
 """sigmoid_fit.py: predict where an RL run will plateau, from the first part of its curve.
 
-The paper's curve (Sec. 2.1, App. A.4-A.7): R(C) = R0 + (A - R0) / (1 + (C_mid / C) ** B), the pass rate after training
-compute C (device-hours), from R0 before RL (measured, not fitted) to the asymptote A, with efficiency exponent B and
-half of the gain at C_mid. Choices:
+The paper's curve (Sec. 2.1, App. A.4-A.7): R(C) = R0 + (A - R0) / (1 + (C_mid / C) ** B), the pass rate from R0
+before RL (measured) to the asymptote A over compute C (device-hours); B: efficiency; C_mid: half the gain. Choices:
 1. Grid search (App. A) over A and C_mid with the least-squares B in every cell: the paper's grid, or by default one
    that adapts to the data and zooms in (ours: a CPU run counts thousandths of a device-hour, its A can be below 0.45).
 2. Early points can be left out (App. A: below ~1.5k of a ~16k GPU-hour run, an almost linear regime).
@@ -48,8 +47,7 @@ def sigmoid(C, A, B, C_mid, R0):
     return R0 + (A - R0) * expit(B * (logc - np.log(C_mid)))
 
 
-class SigmoidFit(namedtuple("SigmoidFit", "A B C_mid R0 sse rmse window n_points A_std A_ci",
-                            defaults=(float("nan"), (float("nan"), float("nan"))))):
+class SigmoidFit(namedtuple("SigmoidFit", "A B C_mid R0 sse rmse window n_points A_std A_ci")):
     """sse, rmse: over the n_points fitted points, window: their compute range; A_std, A_ci: bootstrap std, 5-95%."""
     def predict(self, C):
         return sigmoid(C, self.A, self.B, self.C_mid, self.R0)
@@ -131,15 +129,15 @@ def fit_sigmoid(C, R, R0, c_min=None, c_max=None, paper_grid=False, n_boot=100, 
     def refit(y):
         p0 = np.clip([A, B, L], np.add(lo, 1e-9), np.subtract(hi, 1e-9))
         return least_squares(lambda p: curve_jac(p)[0] - y, p0, bounds=(lo, hi), jac=lambda p: curve_jac(p)[1]).x
-    fit = SigmoidFit(float(A), float(B), float(np.exp(L)), float(R0), float(sse), float(np.sqrt(sse / len(C))),
-                     (float(C.min()), float(C.max())), len(C))
+    a_std, a_ci = float("nan"), (float("nan"), float("nan"))
     if fix_A is not None:
-        fit = fit._replace(A_std=0.0, A_ci=(float(fix_A), float(fix_A)))
+        a_std, a_ci = 0.0, (float(fix_A), float(fix_A))
     elif n_boot > 0:
         fitted, rng = curve_jac([A, B, L])[0], np.random.default_rng(seed)
         a = [refit(fitted + rng.choice(R - fitted, size=R.size))[0] for _ in range(n_boot)]
-        fit = fit._replace(A_std=float(np.std(a)), A_ci=(float(np.percentile(a, 5)), float(np.percentile(a, 95))))
-    return fit
+        a_std, a_ci = float(np.std(a)), (float(np.percentile(a, 5)), float(np.percentile(a, 95)))
+    return SigmoidFit(float(A), float(B), float(np.exp(L)), float(R0), float(sse), float(np.sqrt(sse / len(C))),
+                      (float(C.min()), float(C.max())), len(C), a_std, a_ci)
 
 
 def fit_power_law(C, R, c_min=None, c_max=None):
@@ -334,7 +332,6 @@ def analyze(paths, plot=None, fit_until=None, c_min=None, r0=None, power_law=Fal
         if power is not None:
             notes.append(f"  power law R = A - D/C^B: A={power.A:.3f} D={power.D:.3g} B={power.B:.3f} "
                          f"rmse={power.rmse:.4f} (A {power.A - fit.A:+.3f} vs the sigmoid)")
-    # Nothing to report: the errors, word for word as for a single run.
     _check(runs, "; ".join(dict.fromkeys(f"{p}: {e}" for p, _, e in skipped)))
     out = table + [f"{label}: skipped: {e}" for _, label, e in skipped] + notes
     if plot:

@@ -252,7 +252,7 @@ class Log:
     """The loop's record: timers and the compute clock on every trainer rank; on trainer rank 0 also the run's files,
     the progress lines, the no-signal warning and the summary (other ranks make the same calls, writing nothing)."""
     def __init__(self, cfg, job):
-        self.cfg, self.job, self.t_start, self.timers = cfg, job, time.time(), {}
+        self.cfg, self.job, self.t_start, self.timers, self.lost_eval = cfg, job, time.time(), {}, False
         self.took = dict(warm_start=0.0, training=0.0, evaluation=0.0)
 
     @contextlib.contextmanager
@@ -275,8 +275,12 @@ class Log:
         lock_run_dir(cfg.out_dir)
         check_run_dir(cfg)
         self.path, meta_path = os.path.join(cfg.out_dir, "metrics.jsonl"), os.path.join(cfg.out_dir, "config.json")
-        # a fresh start over a failed one starts a fresh log
-        text = "".join(json.dumps(r) + "\n" for r in read_metrics(self.path, step)) if cfg.resume else ""
+        # a fresh start over a failed one starts a fresh log; a resume whose step's evaluation row was lost (a torn last
+        # line) evaluates that step again
+        rows = read_metrics(self.path, step) if cfg.resume else []
+        self.lost_eval = cfg.resume and step % cfg.eval_every == 0 and not any(
+            r["step"] == step and "eval" in r for r in rows)
+        text = "".join(json.dumps(r) + "\n" for r in rows)
         write_atomic(self.path, lambda tmp: pathlib.Path(tmp).write_text(text), len(text))
         self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         # config.json: options, versions, git hash, ranks, and a history entry per (re)start

@@ -250,7 +250,7 @@ def test_local_file_mapping_and_errors(tmp_path):
     assert val[0].trace == "because" and val[0].answer in {str(i) for i in range(10)}
     with pytest.raises(ValueError, match="no column 'problem'"):
         load_problems(path, n_val=4)
-    with pytest.raises(ValueError, match="n_val=40"):
+    with pytest.raises(ValueError, match="holding out 40 for evaluation"):
         load_problems(path, n_val=40, prompt_key="q", answer_key="a")
     with pytest.raises(ValueError, match="does not exist"):
         load_problems(str(tmp_path / "missing.parquet"))

@@ -220,3 +220,16 @@ def test_a_read_only_run_directory_is_refused_in_one_line_at_start(base):
         assert "cannot write run directory" in one_line_error(p) and "warm start" not in p.stdout
     finally:
         subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_torn_evaluation_row_is_evaluated_again_on_resume(base):
+    """A kill while the last row (the checkpoint step's evaluation) was being written leaves it torn: --resume drops
+    the torn line and evaluates that step again, so every evaluation step keeps its row."""
+    out = base / "torn"
+    assert run_command(command(out, "--max_steps=2", "--eval_every=2")).returncode == 0
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    assert '"eval": true' in lines[-1] and '"step": 2' in lines[-1]
+    (out / "metrics.jsonl").write_text("".join(lines[:-1]) + lines[-1][:40])  # torn mid-write
+    p = run_command(command(out, "--resume", "--max_steps=4", "--eval_every=2"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "eval" in r] == [0, 2, 4]
