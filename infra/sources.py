@@ -174,12 +174,22 @@ def _read_rows(source, path, hub, config, split):
         what = "one {column: value} object per line" if n else "a list of {column: value} objects"
         raise ValueError(f"{path!r} line {n or e.lineno}: not valid JSON ({e.msg}); expected {what}") from None
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path!r} is not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
+        with open(path, "rb") as f:  # the first line that does not decode
+            n = next(i for i, line in enumerate(f, 1) if not _decodes(line))
+        raise ValueError(f"{path!r} line {n}: not UTF-8 text ({e.reason}); save the file as UTF-8") from None
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise ValueError(f"{path!r}: expected a list of records, one {{column: value}} object per row")
     if not rows:
         raise ValueError(f"{path!r} is empty: no rows")
     return rows
+
+
+def _decodes(raw):
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _dataset_problems(source, data_path, prompt_key, answer_key, kw):

@@ -467,7 +467,7 @@ def test_pool_state_round_trip_mid_epoch(tmp_path):
 @pytest.mark.parametrize("text, expected", [
     (b'{"problem": "a", "answer": "1"}\n{"problem": "b", "answer": \n', "rows.jsonl' line 2: not valid JSON"),
     (b'{"problem": "a\x01", "answer": "1"}\n', "rows.jsonl' line 1: not valid JSON (Invalid control character"),
-    (b'{"problem": "\xff"}\n', "rows.jsonl' is not UTF-8 text"),
+    (b'{"problem": "a", "answer": "1"}\n{"problem": "\xff"}\n', "rows.jsonl' line 2: not UTF-8 text"),
     (b"\n\n", "rows.jsonl' is empty"),
 ])
 def test_a_bad_file_names_itself_and_the_line(tmp_path, text, expected):
