@@ -77,12 +77,21 @@ def check_run_dir(cfg):
         fail(f"cannot write run directory {cfg.out_dir}: {here} is read-only or not ours; pick a writable --out_dir")
     ckpt = os.path.join(cfg.out_dir, "ckpt.pt")
     trained = any(r["step"] > 0 for r in read_metrics(os.path.join(cfg.out_dir, "metrics.jsonl")))
-    if not cfg.resume and (os.path.exists(ckpt) or trained):
+    if not cfg.resume and (trained or os.path.exists(ckpt) and checkpoint_step(ckpt) > 0):
         fail(f"run directory {cfg.out_dir} already holds a run; pass --resume to continue it, pick another --out_dir, "
              f"or delete {cfg.out_dir} to start afresh")
     if cfg.resume and not os.path.exists(ckpt):
         hint = f" (delete {cfg.out_dir}: its rows cannot be continued)" if trained else ""
         fail(f"--resume: no checkpoint at {ckpt}{hint}; start a fresh run without --resume")
+
+
+def checkpoint_step(path):
+    """The step of checkpoint `path` (memory-mapped: nothing else is read), or 1 if unreadable. A start that failed
+    after its step-0 checkpoint (a torchrun rank that could not build its engine) holds nothing to continue."""
+    try:
+        return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"])
+    except Exception:  # noqa: BLE001 -- unreadable or foreign: a run to keep, and --resume says what is wrong
+        return 1
 
 
 def write_failed(path, error, nbytes=0):

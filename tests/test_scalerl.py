@@ -351,6 +351,22 @@ def test_failed_start_folder(runs, smoke_run):
     assert p.returncode == 0, p.stderr[-3000:]
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "eval" not in r] == [1, 2]
 
+
+@pytest.mark.slow
+def test_a_start_that_failed_after_its_step_0_checkpoint_starts_afresh(runs):
+    """A torchrun start whose generator rank failed after trainer rank 0 wrote the step-0 checkpoint holds nothing to
+    continue: a fresh start goes over it. A checkpoint past step 0 is still refused, its log lost or not."""
+    out = runs / "step0"
+    assert run(f"--out_dir={out}", "--max_steps=2").returncode == 0
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    (out / "metrics.jsonl").write_text("")
+    assert "already holds a run" in one_line_error(run(f"--out_dir={out}", "--max_steps=2"))  # step 2's checkpoint
+    torch.save(dict(ckpt, step=0), out / "ckpt.pt")
+    p = run(f"--out_dir={out}", "--max_steps=2")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "eval" not in r] == [1, 2]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # 5. Bad task sources
 
