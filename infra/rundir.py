@@ -12,6 +12,7 @@ What it guarantees:
 - SIGTERM/SIGUSR1 (what schedulers send before a kill) make the run finish its step, checkpoint and exit resumable.
 """
 import contextlib
+import copy
 from dataclasses import asdict
 import errno
 import fcntl
@@ -29,6 +30,7 @@ import time
 import numpy as np
 import torch
 
+import data
 from infra import dist, fail, first_line, print0
 from infra.sandbox import sandbox_description
 
@@ -129,14 +131,36 @@ def tensor_bytes(obj):
 
 
 def export_hf(cfg, model, tok, weights):
-    """The policy in the body dtype with its tokenizer, as a Hugging Face model directory out_dir/hf (vLLM reads it)."""
+    """The policy in the body dtype with its tokenizer, as a Hugging Face model directory out_dir/hf (vLLM reads it);
+    the tokenizer's chat template gives the prompt the policy was trained on (training_template)."""
     from transformers.utils import logging
     logging.disable_progress_bar()
+    tok = training_template(tok, getattr(cfg, "instruction", ""))
     weights = {k: v.to(getattr(torch, cfg.dtype)) for k, v in weights.items()}
     path = os.path.join(cfg.out_dir, "hf")
     write_atomic(path, lambda tmp: (model.save_pretrained(tmp, state_dict=weights), tok.save_pretrained(tmp)),
                  tensor_bytes(weights))
     return path
+
+
+def training_template(tok, instruction):
+    """A copy of `tok` whose chat template, given the user's question, writes the training prompt (data.format_prompt):
+    the task's answer instruction after the question, the tokenizer's own template or the plain Q/A format, <think>."""
+    probe = [{"role": "user", "content": "What is 2 + 3?"}]
+    own = tok.chat_template or "{% for m in messages %}" + data.PLAIN_TEMPLATE.format(question="{{ m['content'] }}") + \
+        "{% endfor %}"
+    out = copy.copy(tok)  # the run's tokenizer keeps its template: prompts are still built from it
+    out.chat_template = own
+    think = "" if out.apply_chat_template(probe, add_generation_prompt=True, tokenize=False).rstrip().endswith(
+        data.THINK_OPEN) else "{% if add_generation_prompt %}" + data.THINK_OPEN + "{% endif %}"
+    out.chat_template = ("{%- if messages and messages[-1]['role'] == 'user' %}{% set messages = messages[:-1] + "
+                         "[{'role': 'user', 'content': messages[-1]['content'] + " + json.dumps(instruction) +
+                         "}] %}{% endif -%}" + own + think)
+    want = data.format_prompt(probe[0]["content"] + instruction, tok)
+    if out.apply_chat_template(probe, add_generation_prompt=True, tokenize=False) != want:
+        print0("note: the export keeps the tokenizer's own chat template (the training prompt could not be rebuilt)")
+        out.chat_template = tok.chat_template
+    return out
 
 
 class Preemption:

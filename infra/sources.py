@@ -317,6 +317,9 @@ def load_data(cfg):
     if len(train) + len(val) < n:
         print0(f"note: {n - len(train) - len(val):,} prompts of over {most:,} characters skipped: none fits "
                f"--max_prompt={cfg.max_prompt} tokens")
+    # the answer instruction all prompts end with, if one: the export's chat template adds it (rundir.training_template)
+    cfg.instruction = next((i for i in (data.MATH_INSTRUCTION, data.CODE_INSTRUCTION, data.RG_INSTRUCTION)
+                            if all(p.question.endswith(i) for p in train + val)), "")
     if cfg.model == "tiny" and not set(sources) <= {"arith", "code"}:
         fail(f"the tiny character-level model only covers --task=arith, code or arith+code; pass --model=<hub name or "
              f"path> for {cfg.task}")

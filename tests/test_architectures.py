@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers as T
 
+import data
 import losses
 import trainer
 from conftest import one_line_error, run_command, scalerl_command, torchrun_command
@@ -156,6 +157,10 @@ def test_gpt2_trains_from_the_command_line_and_its_export_loads(own, tmp_path):
     export_tok = T.AutoTokenizer.from_pretrained(out / "hf")
     ids = export_tok("What is 2 plus 5?", return_tensors="pt").input_ids
     assert model.generate(ids, max_new_tokens=4, do_sample=False).shape[1] == ids.shape[1] + 4
+    # the export's chat template writes the prompt the policy was trained on: plain Q/A, the instruction, <think>
+    prompt = export_tok.apply_chat_template([{"role": "user", "content": "What is 2 plus 5?"}],
+                                            add_generation_prompt=True, tokenize=False)
+    assert prompt == data.PLAIN_TEMPLATE.format(question="What is 2 plus 5?" + data.MATH_INSTRUCTION) + data.THINK_OPEN
 
 
 @pytest.mark.slow
