@@ -155,7 +155,8 @@ if uid >= 0:
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, 0, 0)
     if not os.access(os.__file__, os.R_OK):  # the standard library is closed to other users: load the usual now
-        import array, bisect, collections, functools, heapq, itertools, math, operator, re, string
+        import array, bisect, collections, copy, decimal, fractions, functools, heapq, itertools, json, math, \
+            operator, random, re, string, typing
     os.setresuid(uid, uid, uid)
 def hook(event, args, lib=os.path.realpath(os.path.dirname(os.__file__)) + os.sep, real=os.path.realpath,
          write=os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC, isinstance=isinstance,

@@ -455,3 +455,11 @@ def test_multitask_smoke_run(tmp_path):
     f = subprocess.run([sys.executable, os.path.join(ROOT, "sigmoid_fit.py"), str(out), "--per-task"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert f.returncode == 0 and "mt:arith" in f.stdout and "mt:code" in f.stdout, f.stdout + f.stderr
+
+
+def test_correct_programs_that_import_the_usual_modules_pass():
+    """Where the standard library is closed to the sandbox's uid (a Python under /root, mode 0700), the modules
+    programs usually import are loaded before the uid drops: a correct program passes, not scored wrong in silence."""
+    program = ("import copy, decimal, fractions, json, random, typing\nfrom collections import Counter\n"
+               "n = int(input())\nprint(json.dumps(sorted(Counter(str(n)).items())), fractions.Fraction(n, 2))")
+    assert sandbox.check_program(program, [("1123", '[["1", 2], ["2", 1], ["3", 1]] 1123/2')])
