@@ -225,6 +225,7 @@ def generator_rank(cfg, job, rollouts, val, resume):
             print(f"warning: {state_path} is missing: this generator rank restarts its curriculum", flush=True)
     mine = held_out(rollouts, val)[job.generators.index(job.rank)::len(job.generators)]
     evaluate = functools.partial(pipeline_rl.evaluate, rollouts.engine, rollouts, mine, cfg.eval_samples)
+    rundir.Preemption.started = True
     dist.run_generator(job, rollouts, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
                        group_size=cfg.group_size, save_every=cfg.ckpt_every, state_path=state_path,
                        bucket_bytes=cfg.sync_bucket_mb << 20, evaluate=evaluate)

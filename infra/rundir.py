@@ -165,7 +165,10 @@ def training_template(tok, instruction):
 
 class Preemption:
     """SIGTERM and SIGUSR1 (sent by SLURM with --signal, Kubernetes, preemptible clouds) set `signal`; a second one
-    exits at once. Generator ranks keep generating until the trainer ends the job."""
+    exits at once. Generator ranks keep generating until the trainer ends the job. Before the run has started
+    (loading, the warm start: nothing of the run written yet) the first one stops at once."""
+    started = False  # set by Log.open on the trainer ranks, by run.generator_rank on the others
+
     def __init__(self):
         self.signal = None
         for s in (signal.SIGTERM, signal.SIGUSR1):
@@ -175,6 +178,9 @@ class Preemption:
         if self.signal is not None:
             os._exit(128 + signum)
         self.signal = signal.Signals(signum).name
+        if not Preemption.started:
+            print0(f"{self.signal} before the run started: stopped, nothing of it written", flush=True)
+            raise SystemExit(128 + signum)
         print0(f"{self.signal}: the run stops after this step with a checkpoint (send it again to stop at once)",
                flush=True)
 
@@ -303,6 +309,7 @@ class Log:
         self.clock, self.tasks, self.idle = clock, tasks, 0
         self.task_of = {p.id: p.task for p in train} if len(tasks) > 1 else {}
         self.t_loop, self.first, self.eval_0 = time.time(), step, self.took["evaluation"]
+        Preemption.started = True
         if job.rank != 0:
             return
         lock_run_dir(cfg.out_dir)

@@ -143,17 +143,34 @@ def test_sigterm_checkpoints_and_resumes(base):
     assert train_steps(out) == list(range(1, 31))
 
 
-def test_second_signal_exits_at_once(tmp_path):
-    out = tmp_path / "twice"  # a fresh base: the warm start runs, long enough to signal twice during it
-    proc = subprocess.Popen(command(out, "--sft_steps=3000"), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+def test_second_signal_exits_at_once(base):
+    out = base / "twice"  # the run under way: the first signal asks for a checkpoint, the second exits at once
+    proc = subprocess.Popen(command(out, "--max_steps=1000"), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    time.sleep(10)  # imports and set-up done: the handler is in place, the 3,000-step warm start under way
-    assert proc.poll() is None
+    lines = []
+    while not lines or not lines[-1].startswith("step    1/"):
+        lines.append(proc.stdout.readline())
+        assert proc.poll() is None, lines
     for _ in range(2):
         proc.send_signal(signal.SIGUSR1)
         time.sleep(0.5)
     stdout, _ = proc.communicate(timeout=30)
     assert proc.returncode == 128 + signal.SIGUSR1 and "stopped by" not in stdout
+
+
+def test_sigterm_during_the_warm_start_stops_within_seconds(tmp_path):
+    """Before the run has started (here: a 3,000-step warm start) nothing of it is written, so one SIGTERM stops it at
+    once, exit code 143, the run directory never made and no half-written warm-start cache left."""
+    out = tmp_path / "early"
+    proc = subprocess.Popen(command(out, "--sft_steps=3000"), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    while "warm start    0/" not in proc.stdout.readline():  # the warm start is under way
+        assert proc.poll() is None
+    proc.send_signal(signal.SIGTERM)
+    t = time.time()
+    stdout, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and time.time() - t < 20 and "before the run started" in stdout
+    assert not out.exists() and not list(tmp_path.glob("warmstart/*"))  # neither the run nor a partial cache
 
 
 def test_torchrun_sigterm_every_rank_stops_at_one_step(base):
