@@ -58,7 +58,8 @@ def sandbox_mode():
     with _SANDBOX_LOCK:
         if not _SANDBOX_MODE:
             root, unshare = os.geteuid() == 0, shutil.which("unshare")
-            prefixes = [[unshare] + ([] if root else ["-r"]) + ["-n", "-p", "-f", "--kill-child"]] if unshare else []
+            # own network, PID and IPC namespaces: no network, a fork bomb and SysV IPC objects die with the check
+            prefixes = [[unshare, *([] if root else ["-r"]), "-n", "-p", "-i", "-f", "--kill-child"]] if unshare else []
             # as root, every mode has a uid of its own: untrusted code never runs as root
             modes = [(prefix, root, landlock) for prefix in prefixes + [[]] for landlock in (True, False)]
             canary = ("import math\nprint(int(input())+1)", [("41\n", "42")], 10.0)  # a program, its tests, a limit
@@ -78,7 +79,8 @@ def sandbox_description():
     mode = sandbox_mode()
     if mode is None:
         return "none works here: every program fails its tests"
-    parts = ["namespaces: " + ("user, net, pid" if "-r" in mode[0] else "net, pid") if mode[0] else "no namespaces",
+    parts = ["namespaces: " + ("user, net, pid, ipc" if "-r" in mode[0] else "net, pid, ipc") if mode[0] else
+             "no namespaces",
              f"uids {1_000_000 + os.getpid() % 4_000_000 * 64}+ (one per check)" if mode[1] else f"uid {os.getuid()}",
              "no Landlock"]
     if mode[2]:

@@ -463,3 +463,26 @@ def test_correct_programs_that_import_the_usual_modules_pass():
     program = ("import copy, decimal, fractions, json, random, typing\nfrom collections import Counter\n"
                "n = int(input())\nprint(json.dumps(sorted(Counter(str(n)).items())), fractions.Fraction(n, 2))")
     assert sandbox.check_program(program, [("1123", '[["1", 2], ["2", 1], ["3", 1]] 1123/2')])
+
+
+def test_a_check_has_its_own_ipc_namespace():
+    """SysV shared memory made inside the sandbox's namespaces dies with the check: the prefix asks for an IPC
+    namespace of its own, and a segment created under that prefix is gone from the host once it exits."""
+    mode = sandbox.sandbox_mode()
+    if not mode or not mode[0]:
+        pytest.skip("no namespaces here")
+    assert "-i" in mode[0]
+
+    def segments():
+        with open("/proc/sysvipc/shm") as f:
+            return len(f.readlines())
+    before = segments()
+    make = ("import ctypes; i = ctypes.CDLL(None).shmget(0, 1 << 20, 0o1600); assert i >= 0; "
+            "print(i)")  # IPC_PRIVATE, IPC_CREAT | 0600: left behind, never removed
+    subprocess.run(mode[0] + [sys.executable, "-c", make], check=True, timeout=30)
+    assert segments() == before
+    # the contrast, without the namespace: the segment outlives its process (removed here by its id)
+    shmid = subprocess.run([sys.executable, "-c", make], check=True, timeout=30, capture_output=True, text=True).stdout
+    leaked = segments() > before
+    subprocess.run(["ipcrm", "-m", shmid.strip()], check=True)
+    assert leaked
