@@ -145,15 +145,15 @@ def test_sigterm_checkpoints_and_resumes(base):
 
 def test_second_signal_exits_at_once(base):
     out = base / "twice"  # the run under way: the first signal asks for a checkpoint, the second exits at once
-    proc = subprocess.Popen(command(out, "--max_steps=1000"), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(command(out, "--max_steps=1000", "--batch_prompts=64", "--group_size=8", "--slots=64"),
+                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = []
     while not lines or not lines[-1].startswith("step    1/"):
         lines.append(proc.stdout.readline())
         assert proc.poll() is None, lines
-    for _ in range(2):
+    for _ in range(2):  # both within one step: 512 completions take seconds
         proc.send_signal(signal.SIGUSR1)
-        time.sleep(0.5)
+        time.sleep(0.3)
     stdout, _ = proc.communicate(timeout=30)
     assert proc.returncode == 128 + signal.SIGUSR1 and "stopped by" not in stdout
 
