@@ -31,13 +31,27 @@ def device():
     return torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
 
 
+def busy_cores(seconds=0.2):
+    """Cores busy with other work now: /proc/stat's share of non-idle time over `seconds` (the load average lags a
+    minute behind, so a job that just ended would still count), else the 1-minute load average."""
+    def sample():
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        return sum(ticks), ticks[3] + ticks[4]  # all, idle + iowait
+    try:
+        (total, idle), _ = sample(), time.sleep(seconds)
+        total, idle = (b - a for a, b in zip((total, idle), sample()))
+        return (os.cpu_count() or 1) * (1 - idle / max(total, 1))
+    except (OSError, ValueError, IndexError):
+        return os.getloadavg()[0]
+
+
 def set_threads(cfg):
     """Two threads run the tiny model's matmuls 1.7x faster in one process; under torchrun each rank takes one. So does
-    a machine whose cores are busy at start (the load average): beside two busy processes on 2 cores, the smoke run's
-    first steps took 68 and 39 s with two threads, 1.6 and 0.9 s with one. The header says how many."""
-    idle = (os.cpu_count() or 1) - os.getloadavg()[0]
+    a machine whose cores are busy at start: beside two busy processes on 2 cores, the smoke run's first steps took
+    68 and 39 s with two threads, 1.6 and 0.9 s with one. The header says how many."""
     one_process = int(os.environ.get("WORLD_SIZE", 1)) == 1
-    torch.set_num_threads(cfg.threads or (2 if one_process and idle >= 1.5 else 1))
+    torch.set_num_threads(cfg.threads or (2 if one_process and (os.cpu_count() or 1) - busy_cores() >= 1.5 else 1))
 
 
 def start(cfg):

@@ -16,6 +16,9 @@ import inspect
 import json
 import math
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -397,7 +400,7 @@ def test_threads_follow_the_cores_left_idle(monkeypatch, load, world, want):
     threads on a shared core wait on each other) or under torchrun."""
     from infra import run
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(run, "busy_cores", lambda: load)
     if world:
         monkeypatch.setenv("WORLD_SIZE", world)
     else:
@@ -408,3 +411,18 @@ def test_threads_follow_the_cores_left_idle(monkeypatch, load, world, want):
         assert torch.get_num_threads() == want
     finally:
         torch.set_num_threads(before)
+
+
+def test_busy_cores_sees_a_busy_process_now():
+    """What set_threads reads: the cores busy right now (not the load average's last minute), one spinning process
+    counting about one core."""
+    from infra import run
+    quiet = run.busy_cores()
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        busy = run.busy_cores(0.5)
+    finally:
+        spin.kill()
+        spin.wait()
+    assert 0 <= quiet <= os.cpu_count() and busy >= 0.6, (quiet, busy)
