@@ -39,9 +39,10 @@ def busy_cores(seconds=0.2):
             ticks = [int(x) for x in f.readline().split()[1:]]
         return sum(ticks), ticks[3] + ticks[4]  # all, idle + iowait
     try:
-        (total, idle), _ = sample(), time.sleep(seconds)
-        total, idle = (b - a for a, b in zip((total, idle), sample()))
-        return (os.cpu_count() or 1) * (1 - idle / max(total, 1))
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total, idle = sample()
+        return (os.cpu_count() or 1) * (1 - (idle - idle0) / max(total - total0, 1))
     except (OSError, ValueError, IndexError):
         return os.getloadavg()[0]
 

@@ -163,33 +163,28 @@ def _read_rows(source, path, hub, config, split):
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
         return pq.read_table(path).to_pylist()
-    n = 0  # the line being read: errors name the file and the line
+    with open(path, "rb") as f:
+        raw = f.read()
+    jsonl, n = path.endswith(".jsonl"), 0  # n: the line being read, which errors name
     try:
-        with open(path, encoding="utf-8") as f:
-            if not path.endswith(".jsonl"):
-                rows = json.load(f)
-            else:
-                rows = [json.loads(line) for n, line in enumerate(f, 1) if line.strip()]
+        if not jsonl:
+            rows = json.loads(raw.decode("utf-8"))
+        else:
+            rows = []
+            for n, line in enumerate(raw.splitlines(), 1):
+                if line.strip():
+                    rows.append(json.loads(line.decode("utf-8")))
     except json.JSONDecodeError as e:
-        what = "one {column: value} object per line" if n else "a list of {column: value} objects"
+        what = "one {column: value} object per line" if jsonl else "a list of {column: value} objects"
         raise ValueError(f"{path!r} line {n or e.lineno}: not valid JSON ({e.msg}); expected {what}") from None
     except UnicodeDecodeError as e:
-        with open(path, "rb") as f:  # the first line that does not decode
-            n = next(i for i, line in enumerate(f, 1) if not _decodes(line))
+        n = n or raw[:e.start].count(b"\n") + 1
         raise ValueError(f"{path!r} line {n}: not UTF-8 text ({e.reason}); save the file as UTF-8") from None
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise ValueError(f"{path!r}: expected a list of records, one {{column: value}} object per row")
     if not rows:
         raise ValueError(f"{path!r} is empty: no rows")
     return rows
-
-
-def _decodes(raw):
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
 
 
 def _dataset_problems(source, data_path, prompt_key, answer_key, kw):

@@ -466,6 +466,8 @@ def test_pool_state_round_trip_mid_epoch(tmp_path):
 
 @pytest.mark.parametrize("text, expected", [
     (b'{"problem": "a", "answer": "1"}\n{"problem": "b", "answer": \n', "rows.jsonl' line 2: not valid JSON"),
+    (b'{"problem": "a", "answer": "1"}\n\n{"problem": "b", "answer": \n', "rows.jsonl' line 3: not valid JSON ("
+     "Expecting value); expected one {column: value} object per line"),
     (b'{"problem": "a\x01", "answer": "1"}\n', "rows.jsonl' line 1: not valid JSON (Invalid control character"),
     (b'{"problem": "a", "answer": "1"}\n{"problem": "\xff"}\n', "rows.jsonl' line 2: not UTF-8 text"),
     (b"\n\n", "rows.jsonl' is empty"),
