@@ -1,12 +1,14 @@
-"""The code sandbox: runs untrusted programs against stdin/stdout tests, as tightly confined as this machine allows.
+"""The code sandbox: runs untrusted programs against stdin/stdout tests, confined by the kernel, or not at all.
 
 `check_program` never raises and passes a program only if every test's output matches. Each runs in a fresh
-`python -I -S` with an empty environment in a temporary directory, removed after; past `time_limit` seconds per test
-every process of the sandbox is killed, also those that left its group. Memory, output, files and processes are
-limited; network, subprocesses, signals refused. `sandbox_mode` picks once the strongest confinement that works, and
-says on stderr what is missing: network and PID namespaces, as root a uid per check, and Landlock (no system call
-writes a file or reads one outside the standard library). The uid or the audit hook refuses metadata changes; the
-hook is a second line (PEP 578 hooks are no security boundary).
+`python -I -S` with an empty environment in a temporary directory, removed after, in network, PID and IPC namespaces
+of its own (no network; signals reach only the check's own processes; whatever it leaves running, and any SysV IPC
+object it made, dies with the check), as root under a uid of its own. Landlock, where the kernel has it, keeps every
+system call from writing a file or reading one outside the standard library. Past `time_limit` seconds per test the
+check is killed. Limits: 512 MB of address space a process, at most 3 processes or threads a program (1.5 GB a
+check), output, file size, open files. Without namespaces code tasks are refused (`sandbox_mode` is None, and
+`sandbox_description` says how to enable them). The audit hook inside makes ordinary attempts (files, sockets,
+subprocesses, signals) fail at once; it is a tripwire, not a boundary (PEP 578: a program can switch it off).
 """
 import contextlib
 import functools
@@ -34,9 +36,11 @@ def check_answer(problem, text, time_limit):
     return check_program(fenced[1] if fenced else text, code_tests(problem.answer), min(time_limit, CODE_TIME_LIMIT))
 
 
-_MEMORY, _OUTPUT = 512 << 20, 1 << 20  # bytes: a program's address space, and its output per test
+# bytes of address space a process, bytes of output a test; a program's processes and threads
+_MEMORY, _OUTPUT, _TASKS = 512 << 20, 1 << 20, 3
+_NO_LANDLOCK = "files are guarded by the uid alone (a user namespace's: the run's own files), the audit hook aside"
 _SANDBOX_MODE, _SANDBOX_LOCK = [], threading.Lock()  # sandbox_mode's answer, found once per process
-_SLOTS = queue.SimpleQueue()  # a uid per concurrent check (as root): a sweep by uid finds only its own processes
+_SLOTS = queue.SimpleQueue()  # a uid per concurrent check (as root)
 for _slot in range(64):
     _SLOTS.put(_slot)
 
@@ -54,40 +58,43 @@ def check_program(program, tests, time_limit=CODE_TIME_LIMIT):
 
 
 def sandbox_mode():
-    """(command prefix, own uid?, Landlock?) of the strongest sandbox that runs a canary here (None: none); once."""
+    """(unshare command, own uid?, Landlock?) of the sandbox that runs a canary here, or None; found once."""
     with _SANDBOX_LOCK:
         if not _SANDBOX_MODE:
-            root, unshare = os.geteuid() == 0, shutil.which("unshare")
-            # own network, PID and IPC namespaces: no network, a fork bomb and SysV IPC objects die with the check
-            prefixes = [[unshare, *([] if root else ["-r"]), "-n", "-p", "-i", "-f", "--kill-child"]] if unshare else []
-            # as root, every mode has a uid of its own: untrusted code never runs as root
-            modes = [(prefix, root, landlock) for prefix in prefixes + [[]] for landlock in (True, False)]
+            root, unshare = os.geteuid() == 0, shutil.which("unshare") or "unshare"
+            # own user (unless root), network, PID and IPC namespaces; as root a uid per check instead of a user one
+            prefix = [unshare, *([] if root else ["-r"]), "-n", "-p", "-i", "-f", "--kill-child"]
             canary = ("import math\nprint(int(input())+1)", [("41\n", "42")], 10.0)  # a program, its tests, a limit
-            mode = next((mode for mode in modes if _run_tests(*canary, mode)), None)
-            _SANDBOX_MODE.append(mode)
-            if mode is None:
-                print("warning: no code sandbox works here; every program fails its tests", file=sys.stderr)
-            elif not mode[0] or not mode[2]:
-                missing = [what for what, have in (("network and PID namespaces", mode[0]),
-                           ("Landlock (files: permissions and audit hook only)", mode[2])) if not have]
-                print("warning: the code sandbox runs without " + "; without ".join(missing), file=sys.stderr)
+            _SANDBOX_MODE.append(next((m for m in ((prefix, root, True), (prefix, root, False))
+                                       if _run_tests(*canary, m)), None))
+            if _SANDBOX_MODE[0] is None:
+                print(f"warning: {sandbox_description(None)}", file=sys.stderr)
+            elif not _SANDBOX_MODE[0][2]:
+                print(f"warning: the code sandbox runs without Landlock: {_NO_LANDLOCK}", file=sys.stderr)
         return _SANDBOX_MODE[0]
 
 
-def sandbox_description():
-    """What confines a program here, in one line for the run's header (see sandbox_mode and _BOOT)."""
-    mode = sandbox_mode()
+def sandbox_description(mode=False):
+    """What confines a program here, in one line for the run's header; without a sandbox, why and what to do."""
+    mode = sandbox_mode() if mode is False else mode
     if mode is None:
-        return "none works here: every program fails its tests"
-    parts = ["namespaces: " + ("user, net, pid, ipc" if "-r" in mode[0] else "net, pid, ipc") if mode[0] else
-             "no namespaces",
-             f"uids {1_000_000 + os.getpid() % 4_000_000 * 64}+ (one per check)" if mode[1] else f"uid {os.getuid()}",
-             "no Landlock"]
+        try:  # the kernel's refusal, in its own words
+            probe = subprocess.run(["unshare", "-r", "-n", "-p", "-i", "-f", "true"], capture_output=True, text=True,
+                                   timeout=30)
+            error = probe.stderr.strip() or f"unshare: exit code {probe.returncode}"
+        except OSError as e:
+            error = f"unshare (util-linux): {e.strerror}"
+        return (f"the code sandbox needs network, PID and IPC namespaces, which this machine refuses ({error}); allow "
+                "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1; on Ubuntu 23.10 and later "
+                "kernel.apparmor_restrict_unprivileged_userns=0) or, in a container, give it CAP_SYS_ADMIN")
+    landlock = f"no Landlock: {_NO_LANDLOCK}"
     if mode[2]:
         import ctypes
         abi = ctypes.CDLL(None).syscall(444, None, 0, 1)  # landlock_create_ruleset(LANDLOCK_CREATE_RULESET_VERSION)
-        parts[2] = f"Landlock ABI {abi} (no file writes; reads: the standard library)"
-    return "; ".join(parts + ["rlimits", "audit hook"])
+        landlock = f"Landlock ABI {abi} (no file writes; reads: the standard library)"
+    uid = f"uids {1_000_000 + os.getpid() % 4_000_000 * 64}+ (one per check)" if mode[1] else "a user namespace"
+    return (f"namespaces: net, pid, ipc; {uid}; {landlock}; {_MEMORY >> 20} MB a process, {_TASKS} processes or "
+            "threads a program; audit hook (a tripwire)")
 
 
 def _run_tests(program, tests, time_limit, mode):
@@ -104,9 +111,9 @@ def _run_tests(program, tests, time_limit, mode):
         for (stdin, _), f in zip(tests, files[::2]):
             f.write(stdin.encode())
             f.seek(0)
-        # RLIMIT_NPROC counts all processes of a uid: 16 with a uid or user namespace of its own, else 16 more
-        nproc = 16 if namespaces or own_uid else 16 + sum(int(status["Threads"]) for _, status in _processes(
-            lambda pid, status: int(status["Uid"].split()[0]) == os.getuid()))
+        # RLIMIT_NPROC counts the tasks of the check's uid (or user namespace, where unshare counts too): the boot
+        # interpreter, then the program's processes and threads; so the check's memory is bounded as a whole
+        nproc = 1 + _TASKS + (not own_uid)
         uid = 1_000_000 + os.getpid() % 4_000_000 * 64 + slot if own_uid else -1
         fds = [f.fileno() for f in files]
         limits = [_MEMORY, _OUTPUT + 1, nproc, uid, int(landlock)]
@@ -114,7 +121,7 @@ def _run_tests(program, tests, time_limit, mode):
         proc = cleanup.enter_context(subprocess.Popen(
             namespaces + args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             pass_fds=fds, cwd=box, env={"LC_ALL": "C.UTF-8"}, start_new_session=True))  # on exit: waited for
-        cleanup.callback(_kill_sandbox, proc.pid, uid, box)
+        cleanup.callback(_kill_sandbox, proc.pid)
         if not select.select([proc.stdout], [], [], 10.0)[0] or proc.stdout.readline() != b"ready\n":
             return False  # the interpreter did not start: not the program's fault, but a fail
         for (_, want), out in zip(tests, files[1::2]):  # the wall clock of each test runs from the previous report
@@ -158,7 +165,7 @@ if uid >= 0:
     os.setresuid(uid, 0, 0)
     if not os.access(os.__file__, os.R_OK):  # the standard library is closed to other users: load the usual now
         import array, bisect, collections, copy, decimal, fractions, functools, heapq, itertools, json, math, \
-            operator, random, re, string, typing
+            operator, random, re, string, threading, typing
     os.setresuid(uid, uid, uid)
 def hook(event, args, lib=os.path.realpath(os.path.dirname(os.__file__)) + os.sep, real=os.path.realpath,
          write=os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC, isinstance=isinstance,
@@ -196,30 +203,24 @@ for i in range(0, len(fds), 2):
 """
 
 
-def _kill_sandbox(pgid, uid, box):
-    """Kill a sandbox's process group (with a PID namespace the kernel then kills the rest), then sweep: what left
-    the group by setsid() still has the sandbox's uid, or its directory as working directory (chdir is refused)."""
+def _kill_sandbox(pid):
+    """Kill unshare's process group, the first process of its PID namespace with it: the kernel then kills the rest
+    of the namespace (also what left the group by setsid()) before that process is gone, which is waited for."""
+    first = _read(f"/proc/{pid}/task/{pid}/children").split()
     with contextlib.suppress(OSError):
-        os.killpg(pgid, 9)
-    for _ in range(200):
-        strays = list(_processes(lambda pid, status: status["State"].split()[0] != "Z" and (
-            int(status["Uid"].split()[0]) == uid or os.readlink(f"/proc/{pid}/cwd") == box)))
-        for pid, _ in strays:
-            with contextlib.suppress(OSError):  # it may have died since the scan
-                os.kill(pid, 9)
-        if not strays:
+        os.killpg(pid, 9)
+    for _ in range(200):  # until it is gone, or a zombie
+        if all(_read(f"/proc/{p}/stat").rpartition(") ")[2][:1] in ("", "Z") for p in first):
             break
         time.sleep(0.005)
 
 
-def _processes(match):
-    """(pid, status fields) of each process for which match(pid, status) holds, from /proc."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError, KeyError, ValueError):  # gone meanwhile, or not ours to inspect
-            with open(f"/proc/{pid}/status") as f:
-                status = dict(line.split(":", 1) for line in f if ":" in line)
-            if match(pid, status):
-                yield int(pid), status
+def _read(path):
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def _stripped_lines(text):  # outputs compare line by line, trailing whitespace ignored

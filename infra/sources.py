@@ -90,8 +90,7 @@ class _MathWorker:
                     if self._read(120.0) != "ready":
                         raise RuntimeError("math-verify worker did not start; is math-verify installed?")
                 # answers are short; the tail keeps a final \boxed{} of a long one
-                self.proc.stdin.write(json.dumps([problem.answer, text[-2000:]]) + "\n")
-                self.proc.stdin.flush()
+                print(json.dumps([problem.answer, text[-2000:]]), file=self.proc.stdin, flush=True)
                 out = self._read(timeout)
             except (OSError, RuntimeError, ValueError):
                 out = None
@@ -194,11 +193,10 @@ def _dataset_problems(source, data_path, prompt_key, answer_key, kw):
         raise ValueError(f"unknown source {source!r}: expected arith, code, rg:<task> (a reasoning-gym task), a preset "
                          f"({', '.join(PRESETS)}; --data_path=FILE reads a local copy), a hub dataset owner/name or a "
                          f"file path ending .json/.jsonl/.parquet")
-    hub, config, prompt_col, answer_col, answer_fn = PRESETS.get(source, (source, None, "problem", "answer",
-                                                                          _gsm8k_answer))
+    hub, config, prompt_col, answer_col, parse = PRESETS.get(source, (source, None, "problem", "answer", _gsm8k_answer))
     rows = _read_rows(source, data_path or (source if is_file else None), hub, kw.get("config", config),
                       kw.get("split", "train"))
-    code = answer_fn is None or rows and "tests" in rows[0] and answer_key in (None, "tests")  # DeepCoder-style
+    code = parse is None or rows and "tests" in rows[0] and answer_key in (None, "tests")  # DeepCoder-style
     if not code and importlib.util.find_spec("math_verify") is None:  # else every math reward would quietly fail
         raise ValueError(f"source {source!r} is checked with math-verify: pip install math-verify")
     prompt_key, answer_key = prompt_key or prompt_col, answer_key or ("tests" if code else answer_col)
@@ -214,11 +212,11 @@ def _dataset_problems(source, data_path, prompt_key, answer_key, kw):
         if code:
             answer = _stdin_tests(answer)
         elif answer is not None:
-            trace, answer = answer_fn(str(answer))
+            trace, answer = parse(str(answer))
             trace = str(row.get(trace_key) or "") if trace_key else trace
         if question is not None and str(question).strip() and (answer or "").strip():  # answer: a str or None
-            problems.append(data.Problem(i, str(question).strip() + instruction, answer.strip(), task, 0,
-                                         trace.strip()))
+            problems.append(data.Problem(i, str(question).strip() + instruction, answer.strip(), task,
+                                         trace=trace.strip()))
     if not problems and code:
         raise ValueError(f"dataset {source!r}: no row has stdin/stdout tests in its {answer_key!r} column")
     if len(problems) < len(rows):
@@ -320,12 +318,15 @@ def load_data(cfg):
              f"path> for {cfg.task}")
     tasks = list(dict.fromkeys(p.task for p in val))  # checker names (arith, code, math, rg:...)
     if "code" in tasks and sandbox.sandbox_mode() is None:
-        fail("no sandbox for running programs works here (see infra/sandbox.py); code tasks need one")
+        fail(f"--task={cfg.task} runs programs: {sandbox.sandbox_description()}")
     if "code" in tasks and cfg.model == "tiny" and cfg.answer_budget < data.CODE_ANSWER_TOKENS:
         print0(f"note: --answer_budget raised from {cfg.answer_budget} to {data.CODE_ANSWER_TOKENS} tokens for the "
                "built-in programs")
         cfg.answer_budget = data.CODE_ANSWER_TOKENS
     return train, val, tasks
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
 def load_model(cfg, tasks):
@@ -349,14 +350,13 @@ def load_model(cfg, tasks):
             check_model(cfg, AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model)), tok)
         model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
     except (OSError, ValueError) as e:  # a hub name offline or unknown, or a path without a model
-        fail(f"cannot load --model={cfg.model}: {first_line(e)}; pass a local path, or go online "
-             "once so the hub copy is cached")
+        fail(f"cannot load {name}: {first_line(e)}; pass a local path, or go online once so the hub copy is cached")
     if tok.eos_token_id is None:
         fail(f"the tokenizer of --model={cfg.model} has no end-of-sequence token; set eos_token in its config")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token  # padding is masked out of the loss: any id will do
-    missing = [t for t in (data.THINK_OPEN, data.THINK_CLOSE) if len(data.encode(tok, t)) != 1]
     # stop rules and the interruption match these tokens exactly; new rows start at the mean embedding
+    missing = [t for t in (data.THINK_OPEN, data.THINK_CLOSE) if len(data.encode(tok, t)) != 1]
     if missing:
         tok.add_tokens(missing)
         if len(tok) > model.get_input_embeddings().weight.shape[0]:
@@ -367,13 +367,8 @@ def load_model(cfg, tasks):
     return model, tok
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
-
-
 def check_model(cfg, model, tok):
-    """Refuse, in one line, a model the recipe cannot serve: a recurrent state (the PyTorch engine keeps a KV cache
-    only), no stack of decoder layers (FSDP2's units), a tokenizer with ids past the embeddings, budgets past the
-    model's positions."""
+    """Refuse, in one line, a model the recipe cannot serve; each refusal says why."""
     kind, name = type(model).__name__, f"--model={cfg.model}"
     positions = getattr(model.config, "max_position_embeddings", None)  # GPT-2's n_positions too
     longest = cfg.max_prompt + cfg.think_max + cfg.answer_budget + cfg.interrupt * len(

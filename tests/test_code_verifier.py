@@ -210,12 +210,45 @@ def test_hostile_program_fails_and_leaves_nothing(name, hook, tmp_path, box_dir,
 
 def test_sandbox_says_what_confines_it_and_what_is_missing(monkeypatch, capsys):
     mode, text = sandbox.sandbox_mode(), sandbox.sandbox_description()
-    assert text.endswith("audit hook") and ("Landlock ABI" in text) == mode[2] and ("net, pid" in text) == bool(mode[0])
+    assert text.endswith("audit hook (a tripwire)") and ("Landlock ABI" in text) == mode[2] and "net, pid" in text
     monkeypatch.setattr(sandbox, "_SANDBOX_MODE", [])  # a kernel without Landlock: the next mode, said once
     monkeypatch.setattr(sandbox, "_BOOT", sandbox._BOOT.replace("abi = libc.syscall(444, None, 0, 1)", "abi = -1"))
     assert sandbox.sandbox_mode() == (mode[0], mode[1], False) == sandbox.sandbox_mode()
     assert capsys.readouterr().err.count("warning: the code sandbox runs without Landlock") == 1
     assert "no Landlock" in sandbox.sandbox_description() and sandbox.check_program(ADD, ADD_TESTS, OK_LIMIT)
+
+
+def test_without_namespaces_code_is_refused_and_says_how_to_enable_them(monkeypatch, tmp_path, capsys):
+    """A container without CAP_SYS_ADMIN, or a distribution that restricts unprivileged user namespaces: no weaker
+    mode runs programs (those leaked UDP, signals and daemons); every check fails, and the reason is one line."""
+    fake = tmp_path / "unshare"
+    fake.write_text("#!/bin/sh\necho 'unshare: unshare failed: Operation not permitted' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setattr(sandbox, "_SANDBOX_MODE", [])
+    assert sandbox.sandbox_mode() is None and not sandbox.check_program(ADD, ADD_TESTS, OK_LIMIT)
+    why = sandbox.sandbox_description()
+    assert "Operation not permitted" in why and "kernel.apparmor_restrict_unprivileged_userns=0" in why
+    assert capsys.readouterr().err.count("warning: the code sandbox needs network, PID and IPC namespaces") == 1
+    # a run with code in its task stops at start, in one line, with nothing written
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scalerl.py"), "--config=smoke", "--task=arith+code",
+                        f"--out_dir={out}"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 2 and not os.path.exists(out), r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: --task=arith+code runs programs: the code sandbox needs")
+
+
+def test_a_check_holds_three_processes_or_threads_at_most():
+    """Memory is bounded per check, not only per process: RLIMIT_NPROC counts the check's own uid (or user namespace),
+    so a program runs at most 3 tasks of 512 MB each, where 16 were 8 GB."""
+    forks = ("import os, time\nn = 0\ntry:\n    while n < 16:\n        if os.fork() == 0:\n"
+             "            x = bytearray(200 << 20)\n            time.sleep(2)\n            os._exit(0)\n"
+             "        n += 1\nexcept OSError:\n    pass\nprint(n)\n")
+    threads = ("import threading\nev, n = threading.Event(), 0\ntry:\n    while n < 16:\n"
+               "        threading.Thread(target=ev.wait).start()\n        n += 1\nexcept RuntimeError:\n    pass\n"
+               "ev.set()\nprint(n)\n")
+    for program in (forks, threads):
+        assert [n for n in range(17) if sandbox.check_program(program, [("", str(n))], OK_LIMIT)] == [2]
 
 
 def test_good_program_that_leaves_a_process_passes_and_is_cleaned_up(box_dir):
