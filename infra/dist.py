@@ -1,14 +1,12 @@
 """infra/dist.py: torchrun. Ranks 0..T-1 train (FSDP2 over them; rank 0 also logs, evaluates, checkpoints and
 publishes weights), ranks T..W-1 generate; a plain `python scalerl.py` is a world of one and needs none of this.
 - Every wait on another rank is bounded by --dist_timeout and ends the process with one line naming what it waited
-  for (`waiting_for`, `gave_up`); gloo cannot poll a receive, so each blocking wait has its time-out.
+  for (`waiting_for`, `gave_up`).
 - Rollouts travel generator -> trainer rank 0 on a process group per generator, never holding up a weight broadcast;
   the policy version and the admission counters live in the job's TCPStore.
 - Weights reach the generator ranks after every optimizer step in buckets of at most --sync_bucket_mb (a decoder
-  layer never split), each broadcast while the next is packed; each engine loads a bucket as it lands, between its
-  engine steps (Sec. 3.1). No file, no full-model buffer.
-- A generator rank that cannot write its --resume state ends the job with one line (no `fail`: it has threads); no
-  temporary is left, the last good file is kept.
+  layer never split), each broadcast while the next is packed and loaded as it lands, between engine steps (Sec. 3.1).
+- A generator rank that cannot write its --resume state ends the job with one line; the last good file is kept.
 - FSDP2 (`shard`): fp32 master weights, gradients and AdamW; the body computed in the body dtype, an untied head its
   own unit in the head's dtype (Sec. 3.2). Gradients are summed: each rank's loss is its part of the batch's loss.
 """
@@ -144,12 +142,11 @@ def send_groups(job, msg):
 def buckets(named, limit):
     """Runs of (name, tensor, dtype) of one dtype, about `limit` bytes each in that dtype, alike on trainer rank 0 and
     on every generator rank. A bucket passes `limit` by at most the rest of a decoder layer (vLLM loads whole ones)."""
-    def unit(name):  # model.layers.3.mlp.up_proj.weight -> model.layers.3 (model.norm.weight: itself)
-        return ".".join(name.split(".")[:3])
     run, size = [], 0
     for name, t, dtype in named:
         nbytes = t.numel() * dtype.itemsize
-        if run and (dtype != run[0][2] or size + nbytes > limit and unit(name) != unit(run[-1][0])):
+        # a decoder layer: model.layers.3.mlp.up_proj.weight -> model.layers.3 (model.norm.weight: itself)
+        if run and (dtype != run[0][2] or size + nbytes > limit and name.split(".")[:3] != run[-1][0].split(".")[:3]):
             yield run
             run, size = [], 0
         run.append((name, t, dtype))
@@ -160,8 +157,7 @@ def buckets(named, limit):
 
 def new_bucket(run, device, bufs, i=0):
     """A flat tensor for bucket `run` (its dtype, on `device`) in byte buffer bufs[i], grown when it needs more, and
-    its view of each tensor of the run. The buffers are reused: a new one per bucket pays its page faults every update,
-    on a CPU host more than the broadcast itself (bench/weight_sync.py)."""
+    its view of each tensor; reused: a new one per bucket pays its page faults every update (bench/weight_sync.py)."""
     numel, dtype, device = sum(t.numel() for _, t, _ in run), run[0][2], torch.empty(0, device=device).device
     if bufs.get(i) is None or bufs[i].numel() < numel * dtype.itemsize or bufs[i].device != device:
         bufs[i] = None  # the old one goes first
@@ -219,8 +215,7 @@ class TrainerLink(BatchSource):
         counter(self.job, "dropped", 1)
 
     def push_weights(self, policy):
-        """Every trainer rank takes part in each gather of `policy.weights()` ((name, tensor, dtype)); trainer rank 0
-        publishes the version, then broadcasts the buckets, each packed while the one before is in flight."""
+        """Every trainer rank takes part in the gathers of `policy.weights()`; trainer rank 0 broadcasts them."""
         self.version += 1
         weights = policy.weights()
         if self.job.rank != 0:
@@ -247,16 +242,14 @@ class TrainerLink(BatchSource):
     def evals(self, wait=False):
         """Trainer rank 0: [(row, results of every generator rank)] of the complete evaluations, in order; `wait`: all
         of them, within the time-out (a checkpoint or the end must not lose one)."""
-        out, t = [], time.time()
+        out = []
         for v in sorted(self.asked):
             keys = [f"eval/{v}/{rank}" for rank in self.job.generators]
-            while not self.job.store.check(keys):
-                if not wait:
-                    return out
-                if time.time() - t > self.job.timeout:
-                    gave_up(self.job, f"the held-out pass rate of policy version {v} from generator ranks "
-                            f"{self.job.generators}")
-                time.sleep(0.01)
+            if not (wait or self.job.store.check(keys)):
+                break
+            with waiting_for(self.job, f"the held-out pass rate of policy version {v} from generator ranks "
+                             f"{self.job.generators}"):
+                self.job.store.wait(keys, timedelta(seconds=self.job.timeout))
             out.append((self.asked.pop(v), [r for key in keys for r in json.loads(self.job.store.get(key))]))
             for key in keys + [f"eval/{v}"]:
                 self.job.store.delete_key(key)
@@ -301,30 +294,29 @@ def receive_weights(job, engine, version, bucket_bytes, take=True, bufs=None):
 
 
 def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_path, save_every, bucket_bytes,
-                  evaluate=None):
+                  evaluate):
     """A generator rank until trainer rank 0 says stop. Each turn: take the published weights, evaluate a version asked
     for (`evaluate(seed)` -> results), send the scored groups, admit groups under the lag bound, one engine step."""
     engine, evaluated, bufs = rollouts.engine, set(), {}  # bufs: the reused receive buffer (vLLM)
     scorer, scoring = ThreadPoolExecutor(1, thread_name_prefix="score"), []  # [(future, groups)] in finishing order
     # a resumed run starts at the checkpoint's version; next_group: taken from the counter, not started yet
     received, saved, next_group, idle_since = engine.version, None, None, None
-
-    def held_out(v):  # version v's pass rate if trainer rank 0 asked for it: with v's weights, between engine steps
-        if evaluate and v not in evaluated and job.store.check([f"eval/{v}"]):
-            evaluated.add(v)
-            assert engine.version == v, (engine.version, v)  # infra.cli: PPO evaluates only versions it loads
-            with waiting_for(job, "the job's TCPStore (held-out results)"):
-                job.store.set(f"eval/{v}/{job.rank}", json.dumps(evaluate(int(job.store.get(f"eval/{v}")))))
-            if engine.aside:  # training groups that finished during the evaluation
-                scoring.append((scorer.submit(rollouts.score, engine.aside), engine.aside))
-                engine.aside = []
     while True:
         stop = counter(job, "stop")  # read before the version: every broadcast published before the stop is received
-        for v in range(received + 1, counter(job, "version") + 1):
-            receive_weights(job, engine, v, bucket_bytes, take=mode == "pipeline" or v % k == 0, bufs=bufs)
-            received = v
-            held_out(v)
-        held_out(received)  # trainer rank 0 asks once it published the version (the start's: once it started)
+        # the last version received, then the new ones: each one's held-out pass rate if trainer rank 0 asked for it
+        # (it asks once it published the version), with its weights, between engine steps
+        for v in range(received, counter(job, "version") + 1):
+            if v > received:
+                receive_weights(job, engine, v, bucket_bytes, take=mode == "pipeline" or v % k == 0, bufs=bufs)
+            if v not in evaluated and job.store.check([f"eval/{v}"]):
+                evaluated.add(v)
+                assert engine.version == v, (engine.version, v)  # infra.cli: PPO evaluates only versions it loads
+                with waiting_for(job, "the job's TCPStore (held-out results)"):
+                    job.store.set(f"eval/{v}/{job.rank}", json.dumps(evaluate(int(job.store.get(f"eval/{v}")))))
+                if engine.aside:  # training groups that finished during the evaluation
+                    scoring.append((scorer.submit(rollouts.score, engine.aside), engine.aside))
+                    engine.aside = []
+        received = v
         if received != saved and received % save_every == 0:
             tmp = state_path + ".tmp"
             try:
