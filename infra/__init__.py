@@ -1,8 +1,5 @@
-"""infra: what a real run needs and a student may skip. The recipe files never import it; scalerl.py calls it.
-
-cli.py (options and their checks), rundir.py (the run directory), run.py (a run's life around the loop), dist.py
-(torchrun), vllm_engine.py (the Engine on vLLM), sources.py (datasets, verifiers, models), sandbox.py (code sandbox).
-"""
+"""infra: what a real run needs and a student may skip (its files: the README's code map). The recipe files never
+import it; scalerl.py calls it. What ends a run early says why in one line on stderr (`fail`, `die`)."""
 import os
 import sys
 
@@ -18,8 +15,7 @@ def fail(msg):
 
 
 def die(msg):
-    """A rank that cannot go on: say what it waited for, then exit at once (a thread stuck on a dead peer must not
-    keep it alive)."""
+    """A rank that cannot go on: one line, then exit at once (a thread stuck on a dead peer must not keep it alive)."""
     print(f"error: {msg}", file=sys.stderr, flush=True)
     os._exit(1)
 

@@ -46,38 +46,33 @@ BOUNDS = {"positive": (lambda v: v > 0, ("max_steps", "eval_every", "eval_prompt
 
 def parse_args(argv, config_cls, presets):
     """A checked config_cls from --config NAME and --key=value words (see the module docstring)."""
-    parser = argparse.ArgumentParser(allow_abbrev=False, argument_default=argparse.SUPPRESS)
-    # argparse's complaints ("argument --lr: invalid float value: 'fast'") in one line, and --help as written here
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, argument_default=argparse.SUPPRESS)
+    # argparse's complaints ("argument --lr: invalid float value: 'fast'") in one line
     parser.error = lambda message: fail(f"{message.removeprefix('argument ')} (see --help)")
-    # --max-steps=7 is --max_steps=7
-    words = [re.sub(r"^--[^=]+", lambda m: "--" + m[0][2:].replace("-", "_"), word) for word in argv]
-    # --help shows the defaults this command line starts from: --config's preset, or "hub" for a --model
-    first = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
-    first.add_argument("--config")
-    first.add_argument("--model", default="tiny")
-    try:
-        seen = first.parse_known_args(words)[0]
-    except argparse.ArgumentError:  # the parser below says what is wrong
-        seen = argparse.Namespace(config=None, model="tiny")
-    parser.format_help = lambda: help_text(config_cls, presets, seen.config if seen.config in presets else (
-        "tiny" if seen.model == "tiny" else "hub"), seen.model)
+    parser.add_argument("-h", "--help", action="store_true")
     parser.add_argument("--config", choices=presets)
     kinds = typing.get_type_hints(config_cls)
     for f in fields(config_cls):
         kind = dict(type=boolean, nargs="?", const=True) if kinds[f.name] is bool else dict(type=kinds[f.name])
         parser.add_argument(f"--{f.name}", **kind)
+    # --max-steps=7 is --max_steps=7
+    words = [re.sub(r"^--[^=]+", lambda m: "--" + m[0][2:].replace("-", "_"), word) for word in argv]
     given, extra = parser.parse_known_args(words)
+    over = vars(given)
+    preset = over.pop("config", None)
+    # tiny budgets never reach a real model
+    model = over.get("model", presets[preset or "tiny"].get("model", "tiny"))
+    base = preset or ("tiny" if model == "tiny" else "hub")
+    # --help shows the defaults this command line starts from: --config's preset, or "hub" for a --model
+    if over.pop("help", False):
+        print(help_text(config_cls, presets, base, model), end="")
+        raise SystemExit(0)
     if extra and not extra[0].startswith("--"):
         fail(f"unexpected argument {extra[0]!r}; options look like --key=value (see --help)")
     if extra:
         key = extra[0][2:].partition("=")[0]
         near = difflib.get_close_matches(key, kinds, n=1)
         fail(f"unknown option --{key}" + (f"; did you mean --{near[0]}?" if near else "; see --help"))
-    over = vars(given)
-    preset = over.pop("config", None)
-    # tiny budgets never reach a real model
-    model = over.get("model", presets[preset or "tiny"].get("model", "tiny"))
-    base = preset or ("tiny" if model == "tiny" else "hub")
     cfg = config_cls(**{**presets[base], **over})
     saved = os.path.join(cfg.out_dir, "config.json")
     if (cfg.resume or cfg.eval_only or cfg.export) and os.path.exists(saved):
@@ -111,14 +106,13 @@ def comments(config_cls):
     return out
 
 
-def help_text(config_cls, presets, base="tiny", model="tiny"):
+def help_text(config_cls, presets, base, model):
     """--help: the presets, then each option's default (preset `base`'s, and --model) and comment, by section."""
-    start = {**presets[base], **({} if model == "tiny" else {"model": model})}
+    start, docs, section = {**presets[base], "model": model}, comments(config_cls), None
     lines = ["usage: python scalerl.py [--config NAME] [--key=value ...]  (the same under torchrun)", "",
              textwrap.fill(f"presets (--config NAME): {', '.join(presets)}; a --model other than tiny starts from "
-                           "'hub'", 120), "", f"options (--key=value; default from preset '{base}', then meaning), by "
-             "section:"]
-    docs, section = comments(config_cls), None
+                           "'hub'", 120), "",
+             f"options (--key=value; default from preset '{base}', then meaning), by section:"]
     for f in fields(config_cls):
         if docs[f.name][0] != section:
             section = docs[f.name][0]

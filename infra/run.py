@@ -50,7 +50,7 @@ def busy_cores(seconds=0.2):
 def set_threads(cfg):
     """Two threads run the tiny model's matmuls 1.7x faster in one process; under torchrun each rank takes one. So does
     a machine whose cores are busy at start: beside two busy processes on 2 cores, the smoke run's first steps took
-    68 and 39 s with two threads, 1.6 and 0.9 s with one. The header says how many."""
+    68 and 39 s with two threads, 1.6 and 0.9 s with one."""
     one_process = int(os.environ.get("WORLD_SIZE", 1)) == 1
     torch.set_num_threads(cfg.threads or (2 if one_process and (os.cpu_count() or 1) - busy_cores() >= 1.5 else 1))
 
@@ -82,8 +82,8 @@ def start(cfg):
 
 
 def place(cfg, job, model, ckpt, resume):
-    """The checkpoint's weights on a resume (they replace the warm start or the hub's), rank 0's weights on every
-    rank, and the model on this rank's device (a generator rank's stays on the CPU: its engine takes a copy)."""
+    """The checkpoint's weights replace the warm start's or the hub's; a generator rank's model stays on the CPU (its
+    engine takes a copy)."""
     if ckpt:
         rundir.load_weights(model, ckpt, cfg.out_dir)
     if resume or cfg.model == "tiny":
@@ -95,18 +95,18 @@ def make_engine(cfg, model, tok, seed):
     """A generation engine (--engine) with its own copy of `model`, the run's budgets and sampling."""
     dtype, dev = getattr(torch, cfg.dtype), device()
     head = {id(p) for p in model.get_output_embeddings().parameters()}  # weight, and a bias if it has one
-    fp32_head = cfg.fp32_head and id(model.get_input_embeddings().weight) not in head
-    # deepcopy takes each parameter from the memo instead of copying it: cast while copied, never a second fp32 copy
-    # on the device. An untied FP32 head stays fp32 (Sec. 3.2); buffers (RoPE) stay as they are.
-    memo = {id(p): torch.nn.Parameter(p.detach().to(dev, torch.float32 if fp32_head and id(p) in head else dtype),
-                                      False) for p in model.parameters()}
-    weights = copy.deepcopy(model, memo).to(dev)
+    # an untied FP32 head stays fp32 (Sec. 3.2); the rest takes the body dtype, buffers (RoPE) stay as they are
+    fp32 = head if cfg.fp32_head and id(model.get_input_embeddings().weight) not in head else set()
+    cast = {id(p): torch.nn.Parameter(p.detach().to(dev, torch.float32 if id(p) in fp32 else dtype), False)
+            for p in model.parameters()}
+    # deepcopy takes each parameter from its memo, already cast: never a second fp32 copy on the device
+    weights = copy.deepcopy(model, memo=cast).to(dev)
     # the interruption phrase, then </think> encoded on its own, so the stop rules see the thinking close (App. A.10)
+    close = data.encode(tok, data.THINK_CLOSE)
     phrase = data.encode(tok, data.INTERRUPT_PHRASE.removesuffix(data.THINK_CLOSE))
-    interrupt_ids = phrase + data.encode(tok, data.THINK_CLOSE) if cfg.interrupt else None
     rules = dict(slots=cfg.slots, max_prompt=cfg.max_prompt, think_budget=(cfg.think_min, cfg.think_max),
                  answer_budget=cfg.answer_budget, eos_id=tok.eos_token_id, temperature=cfg.temperature,
-                 think_close_ids=data.encode(tok, data.THINK_CLOSE), interrupt_ids=interrupt_ids,
+                 think_close_ids=close, interrupt_ids=phrase + close if cfg.interrupt else None,
                  head_dtype=torch.float32 if cfg.fp32_head else dtype, seed=seed)
     if cfg.engine == "torch":
         return engine.TorchEngine(weights, **rules)
@@ -151,8 +151,9 @@ def policy(cfg, job, model, tok):
 
 def restore(cfg, ckpt, resume, job, policy, opt, source):
     """(step, clock): on --resume, the optimizer, the batch source's counters and in one process the generating side."""
+    clock = {k: ckpt.get(k, 0.0) if ckpt else 0.0 for k in ("device_hours", "cpu_hours")}
     if not resume:
-        return 0, dict(device_hours=0.0, cpu_hours=0.0)
+        return 0, clock
     source.version, source.dropped_stale = resume["version"], resume["stale"]
     with rundir.fits(os.path.join(cfg.out_dir, "ckpt.pt")):
         rundir.load_optimizer(cfg, job, policy, opt, ckpt, resume)
@@ -161,7 +162,6 @@ def restore(cfg, ckpt, resume, job, policy, opt, source):
             # the groups in flight at the checkpoint are regenerated; the engine was built from the checkpoint's weights
             source.admitted = resume["version"] * cfg.batch_prompts + resume["stale"]
             source.engine.version = resume["version"]
-    clock = {k: ckpt.get(k, 0.0) if ckpt else 0.0 for k in ("device_hours", "cpu_hours")}
     if ckpt:
         torch.set_rng_state(ckpt["torch_rng"])
     print0(f"resumed {cfg.out_dir} at step {resume['step']} (in-flight completions are regenerated)")
@@ -179,12 +179,13 @@ def held_out(rollouts, val):
 
 def progress(n):
     """A long evaluation (1,000 prompts x 16 at 14k tokens) says how far it is, every 30 s, with an ETA."""
-    t0, shown = time.time(), [time.time()]
+    t0 = shown = time.time()
 
     def show(done):
-        if time.time() - shown[0] > 30:
-            shown[0] = time.time()
-            eta = (shown[0] - t0) / done * (n - done)
+        nonlocal shown
+        if time.time() - shown > 30:
+            shown = time.time()
+            eta = (shown - t0) / done * (n - done)
             print0(f"  evaluating: {done}/{n} prompts done, eta {eta / 60:.1f}m", flush=True)
     return show
 
@@ -208,13 +209,12 @@ class Evaluator:
         if self.job.world > 1:
             self.source.ask_eval(self.source.version, seed, dict(step=step, **self.log.clock))
             return "held-out evaluation asked of the generator ranks"
-        t = time.time()
-        self.engine.load_weights(policy.state(), self.source.version)
-        results = pipeline_rl.evaluate(self.engine, self.source.rollouts, self.templates, self.cfg.eval_samples, seed,
-                                       progress(len(self.templates)) if step == 0 else None)
-        row = pipeline_rl.pass_rates(results, self.tasks)
-        self.log.write(dict(step=step, **self.log.clock, **row, eval=True))
-        self.log.took["evaluation"] += time.time() - t
+        with self.log.timer("evaluation"):
+            self.engine.load_weights(policy.state(), self.source.version)
+            results = pipeline_rl.evaluate(self.engine, self.source.rollouts, self.templates, self.cfg.eval_samples,
+                                           seed, progress(len(self.templates)) if step == 0 else None)
+            row = pipeline_rl.pass_rates(results, self.tasks)
+            self.log.write(dict(step=step, **self.log.clock, **row, eval=True))
         return held_out_line(row, self.tasks)
 
     def collect(self, wait=False):
@@ -228,8 +228,8 @@ class Evaluator:
 
 
 def generator_rank(cfg, job, rollouts, val, resume):
-    """A generator rank's job: its curriculum restored on --resume, then dist.run_generator until the trainer says
-    stop; it evaluates its share of the held-out prompts when trainer rank 0 asks."""
+    """A generator rank's job until the trainer says stop: its curriculum restored on --resume, its share of the
+    held-out prompts evaluated when trainer rank 0 asks."""
     state_path = os.path.join(cfg.out_dir, f"generator{job.rank}.pt")
     if resume:
         rollouts.engine.version = resume["version"]
@@ -281,9 +281,8 @@ def finish(cfg, job, step, bad_run, stop, source, evaluate, policy, model, tok, 
 
 
 def tool(cfg):
-    """No training: --dry_run prints the plan (nothing loaded). In one process, out_dir's checkpoint (else --model's
-    own weights): --export writes out_dir/hf; --eval_only appends the held-out pass rate to out_dir/evals.jsonl,
-    seeded as the run's evaluation at that step."""
+    """No training: --dry_run (nothing loaded), or in one process --export or --eval_only of out_dir's checkpoint
+    (else --model's own weights); an evaluation is seeded as the run's at that step, its row appended to evals.jsonl."""
     if cfg.dry_run:
         from runs.plan import plan
         return print(plan(cfg))
