@@ -64,6 +64,14 @@ def start(cfg):
     if rank0:
         rundir.check_run_dir(cfg)
     ckpt = rundir.load_checkpoint(ckpt_path) if cfg.resume and rank0 else None
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1 and not cfg.gen_ranks and torch.cuda.is_available():
+        # --gen_share's split, or fewer generator ranks where its trainer ranks would not fit these GPUs (the plan)
+        from runs.plan import fitting_gen_ranks
+        gb = torch.cuda.get_device_properties(0).total_memory / 1e9
+        if g := fitting_gen_ranks(cfg, world, gb):
+            cfg.gen_ranks = g
+            print0(f"generator ranks: {g} of {world}, the most whose trainer ranks fit {gb:.0f} GB GPUs (--dry_run)")
     try:
         job = dist.dist_init(cfg.gen_ranks, cfg.dist_timeout, cfg.gen_share)
     except ValueError as e:

@@ -121,11 +121,24 @@ def columns(cfg, shape, world, T, seq):
     return cols
 
 
-def trainers_fit(cfg, shape, world, T, seq):
-    """Whether every trainer GPU's total fits GPU_GB with T trainer ranks."""
+def trainers_fit(cfg, shape, world, T, seq, gpu_gb=GPU_GB):
+    """Whether every trainer GPU's total fits gpu_gb with T trainer ranks."""
     off = "activations, act_ckpt " + ("off" if cfg.act_ckpt else "on")
-    return all(sum(v for r, v in rows.items() if r != off) <= GPU_GB * GB
+    return all(sum(v for r, v in rows.items() if r != off) <= gpu_gb * GB
                for c, rows in columns(cfg, shape, world, T, seq).items() if c.startswith("trainer"))
+
+
+def seq_len(cfg):
+    return cfg.max_prompt + cfg.think_max + 24 + cfg.answer_budget  # 24: the interruption phrase, generously
+
+
+def fitting_gen_ranks(cfg, world, gpu_gb=GPU_GB):
+    """Generator ranks for `world` GPUs of gpu_gb each: --gen_ranks, or --gen_share's split, or fewer generators
+    where the trainer ranks would not fit beside them (0: no split fits; None: the model's shape is unknown)."""
+    shape, gens = model_shape(cfg), len(dist.roles(world, cfg.gen_ranks, cfg.gen_share)[1])
+    if shape is None:
+        return None
+    return next((g for g in range(gens, 0, -1) if trainers_fit(cfg, shape, world, world - g, seq_len(cfg), gpu_gb)), 0)
 
 
 def memory_lines(cfg, shape, world, T, seq, flight):
@@ -169,7 +182,7 @@ def plan(cfg):
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
     T, G_ = len(trainers), max(len(gens), 1)
-    seq = cfg.max_prompt + cfg.think_max + 24 + cfg.answer_budget  # 24: the interruption phrase, generously
+    seq = seq_len(cfg)
     BG = cfg.batch_prompts * cfg.group_size
     out = [f"plan for --model={cfg.model} on {world} GPU(s): trainer ranks {trainers[0]}-{trainers[-1]} "
            f"({T}, FSDP2{' over ' + str(T) if T > 1 else ' off'}), generator ranks "
@@ -191,7 +204,7 @@ def plan(cfg):
                f"x {hd}, vocab {V:,}{', tied' if tied else ''})")
     out += memory_lines(cfg, shape, world, T, seq, flight)
     if world > 1 and not trainers_fit(cfg, shape, world, T, seq):  # fewer generators, more trainer ranks to shard
-        g = next((g for g in range(len(gens) - 1, 0, -1) if trainers_fit(cfg, shape, world, world - g, seq)), 0)
+        g = fitting_gen_ranks(cfg, world)
         out.append(f"  the trainer ranks do not fit: --gen_ranks={g} gives {world - g} trainer ranks, which do" if g
                    else "  the trainer ranks do not fit with any split of this world: more GPUs, or a smaller "
                         "--micro_batch_tokens")

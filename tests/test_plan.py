@@ -85,6 +85,11 @@ def test_one_node_names_the_split_that_fits():
     text = plan("--config=8b", "--plan_gpus=8")  # the paper's 80% generators leave 2 trainer ranks
     assert "does not fit" in text and "--gen_ranks=5 gives 3 trainer ranks, which do" in text
     assert "does not fit" not in plan("--config=8b", "--plan_gpus=8", "--gen_ranks=5")
+    # what a GPU run takes when --gen_ranks is not given (infra/run.start): the share's split where it fits
+    cfg = scalerl.parse_args(["--config=8b"])
+    assert planner.fitting_gen_ranks(cfg, 8) == 5 and planner.fitting_gen_ranks(cfg, 80) == 64
+    assert planner.fitting_gen_ranks(cfg, 8, gpu_gb=141) == 6  # an H200 node: 2 trainer ranks hold 97.6 GB each
+    assert planner.fitting_gen_ranks(cfg, 2, gpu_gb=24) == 0  # no split fits
 
 
 @pytest.mark.parametrize("ckpt, measured_mib", [(False, 6109), (True, 1956)])
