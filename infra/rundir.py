@@ -17,7 +17,6 @@ from dataclasses import asdict
 import errno
 import fcntl
 import json
-import math
 import os
 import pathlib
 import re
@@ -68,11 +67,8 @@ def check_run_dir(cfg):
     live run's directory and one that cannot be written are refused too, all before anything is written or said."""
     lock, here = os.path.join(cfg.out_dir, ".lock"), os.path.abspath(cfg.out_dir)
     if os.path.realpath(cfg.out_dir) not in HELD and os.path.exists(lock):
-        fd = os.open(lock, os.O_RDONLY)  # the lock itself is taken later, once the run writes
-        try:
-            refuse_if_live(cfg.out_dir, fd)
-        finally:
-            os.close(fd)
+        with open(lock) as f:  # only tried here, and released: the run takes the lock once it writes
+            refuse_if_live(cfg.out_dir, f.fileno())
     while not os.path.exists(here):  # the folder, or the first one above it that exists (a fresh run makes it)
         here = os.path.dirname(here)
     if not os.access(here, os.W_OK):
@@ -147,19 +143,19 @@ def training_template(tok, instruction):
     """A copy of `tok` whose chat template, given the user's question, writes the training prompt (data.format_prompt):
     the task's answer instruction after the question, the tokenizer's own template or the plain Q/A format, <think>."""
     probe = [{"role": "user", "content": "What is 2 + 3?"}]
+    want = data.format_prompt(probe[0]["content"] + instruction, tok)
     own = tok.chat_template or "{% for m in messages %}" + data.PLAIN_TEMPLATE.format(question="{{ m['content'] }}") + \
         "{% endfor %}"
+    instruct = ("{%- if messages and messages[-1]['role'] == 'user' %}{% set messages = messages[:-1] + [{'role': "
+                "'user', 'content': messages[-1]['content'] + " + json.dumps(instruction) + "}] %}{% endif -%}")
     out = copy.copy(tok)  # the run's tokenizer keeps its template: prompts are still built from it
-    out.chat_template = own
-    think = "" if out.apply_chat_template(probe, add_generation_prompt=True, tokenize=False).rstrip().endswith(
-        data.THINK_OPEN) else "{% if add_generation_prompt %}" + data.THINK_OPEN + "{% endif %}"
-    out.chat_template = ("{%- if messages and messages[-1]['role'] == 'user' %}{% set messages = messages[:-1] + "
-                         "[{'role': 'user', 'content': messages[-1]['content'] + " + json.dumps(instruction) +
-                         "}] %}{% endif -%}" + own + think)
-    want = data.format_prompt(probe[0]["content"] + instruction, tok)
-    if out.apply_chat_template(probe, add_generation_prompt=True, tokenize=False) != want:
-        print0("note: the export keeps the tokenizer's own chat template (the training prompt could not be rebuilt)")
-        out.chat_template = tok.chat_template
+    # <think> added unless the template's own generation prompt ends with it
+    for think in ("", "{% if add_generation_prompt %}" + data.THINK_OPEN + "{% endif %}"):
+        out.chat_template = instruct + own + think
+        if out.apply_chat_template(probe, add_generation_prompt=True, tokenize=False) == want:
+            return out
+    print0("note: the export keeps the tokenizer's own chat template (the training prompt could not be rebuilt)")
+    out.chat_template = tok.chat_template
     return out
 
 
@@ -272,13 +268,13 @@ def load_weights(model, ckpt, out_dir):
         sd.set_model_state_dict(model, state)
 
 
-def read_metrics(path, upto_step=math.inf):
-    """Rows of an existing log up to `upto_step` (a torn last line from a kill mid-write is dropped)."""
+def read_metrics(path):
+    """The rows of an existing log (a torn last line from a kill mid-write is dropped)."""
     rows = []
     with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
         for line in open(path):
             rows.append(json.loads(line))
-    return [row for row in rows if row["step"] <= upto_step]
+    return rows
 
 
 def per_task(row, key, tasks):
@@ -317,7 +313,7 @@ class Log:
         self.path, meta_path = os.path.join(cfg.out_dir, "metrics.jsonl"), os.path.join(cfg.out_dir, "config.json")
         # a fresh start over a failed one starts a fresh log; a resume whose step's evaluation row was lost (a torn last
         # line) evaluates that step again
-        rows = read_metrics(self.path, step) if cfg.resume else []
+        rows = [r for r in read_metrics(self.path) if r["step"] <= step] if cfg.resume else []
         self.lost_eval = cfg.resume and step % cfg.eval_every == 0 and not any(
             r["step"] == step and "eval" in r for r in rows)
         text = "".join(json.dumps(r) + "\n" for r in rows)
