@@ -145,7 +145,7 @@ PRESETS = {
                   "act_ckpt": True, "slots": 48},                           # fits one 80 GB GPU (--dry_run)
     "8b": PAPER_8B,                                                          # 48 x 16, 14k generation (Table 1)
     "8b_32k": {**PAPER_8B, "think_min": 26624, "think_max": 28672,          # 32k generation length (Table 1);
-               "micro_batch_tokens": 40960},                                # a micro-batch holds a full sequence
+               "micro_batch_tokens": 40960, "dist_timeout": 5400.0},        # a full sequence; a 50-70 min eval
     "8b_batch2048": {**PAPER_8B, "batch_prompts": 2048, "max_steps": 1200},  # the 100k GPU-hour run (Fig. 1)
 }
 
@@ -211,8 +211,8 @@ def main(cfg):
             line += " | " + evaluate(step, policy)
         print0(line, flush=True)
         save = step % cfg.ckpt_every == 0 or step == cfg.max_steps or bad_run >= cfg.max_nonfinite or stop
-        # under torchrun a checkpoint keeps the rows of every evaluation up to its step
-        evaluate.collect(wait=bool(save))
+        # under torchrun a checkpoint has the rows of the evaluations before its step, never waiting for its own
+        evaluate.collect(until=step if save else 0)
         # after skipped steps the weights are still the last good ones
         if save:
             rundir.save_checkpoint(cfg, step, log.clock, source, job, policy, opt)

@@ -239,13 +239,13 @@ class TrainerLink(BatchSource):
         with waiting_for(self.job, "the job's TCPStore (held-out request)"):
             self.job.store.set(f"eval/{version}", str(seed))
 
-    def evals(self, wait=False):
-        """Trainer rank 0: [(row, results of every generator rank)] of the complete evaluations, in order; `wait`: all
-        of them, within the time-out (a checkpoint or the end must not lose one)."""
+    def evals(self, until=0):
+        """Trainer rank 0: [(row, results of every generator rank)] of the complete evaluations, in order, and within
+        the time-out those of versions before `until` (a checkpoint's rows before its step, the end's: all)."""
         out = []
         for v in sorted(self.asked):
             keys = [f"eval/{v}/{rank}" for rank in self.job.generators]
-            if not (wait or self.job.store.check(keys)):
+            if not (v < until or self.job.store.check(keys)):
                 break
             with waiting_for(self.job, f"the held-out pass rate of policy version {v} from generator ranks "
                              f"{self.job.generators}"):

@@ -13,6 +13,7 @@ What it guarantees:
 import copy
 import functools
 import json
+import math
 import os
 import time
 
@@ -121,7 +122,8 @@ def make_engine(cfg, model, tok, seed):
     # vLLM's presence is checked with the options (cli.validate)
     from infra.vllm_engine import VLLMEngine
     try:
-        return VLLMEngine(weights, gpu_share=cfg.gpu_memory_utilization, **rules)
+        return VLLMEngine(weights, gpu_share=cfg.gpu_memory_utilization, bucket_bytes=cfg.sync_bucket_mb << 20,
+                          **rules)
     except ValueError as e:
         fail(str(e))
 
@@ -225,11 +227,12 @@ class Evaluator:
             self.log.write(dict(step=step, **self.log.clock, **row, eval=True))
         return held_out_line(row, self.tasks)
 
-    def collect(self, wait=False):
-        """Under torchrun, trainer rank 0: the rows the generator ranks have sent (`wait`: all that were asked)."""
+    def collect(self, until=0):
+        """Under torchrun, trainer rank 0: the rows the generator ranks have sent, and those asked before policy
+        version `until` waited for."""
         if self.job.rank != 0 or self.job.world == 1:
             return
-        for row, results in self.source.evals(wait):
+        for row, results in self.source.evals(until):
             pr = pipeline_rl.pass_rates(results, self.tasks)
             self.log.write(dict(row, **pr, eval=True))
             print(f"step {row['step']:4d} | {held_out_line(pr, self.tasks)} (generator ranks)", flush=True)
@@ -258,7 +261,7 @@ def generator_rank(cfg, job, rollouts, val, resume):
 def finish(cfg, job, step, bad_run, stop, source, evaluate, policy, model, tok, log):
     """The last evaluations logged, the generators stopped, the policy exported, the summary, and the sigmoid fit of
     the run's own curve (Sec. 2.1), one per task (Sec. 7), with curve.png."""
-    evaluate.collect(wait=not stop)
+    evaluate.collect(until=0 if stop else math.inf)
     source.close()
     # under torchrun: summed over the generator ranks
     log.took["generation"] = source.totals()["gen_s"]
