@@ -22,9 +22,9 @@ import losses  # noqa: E402
 import scalerl  # noqa: E402
 import trainer  # noqa: E402
 from engine import Sample  # noqa: E402
-from infra.dist import buckets  # noqa: E402
+from infra.dist import buckets, new_bucket  # noqa: E402
 from infra.run import make_engine  # noqa: E402
-from infra.vllm_engine import VLLMEngine, as_bytes, load_in_worker  # noqa: E402
+from infra.vllm_engine import VLLMEngine  # noqa: E402
 from conftest import read_jsonl, run_command, scalerl_command, torchrun_command  # noqa: E402
 from test_learns import LEARNS  # noqa: E402
 
@@ -158,14 +158,25 @@ def test_in_flight_update_keeps_kv_and_uses_new_weights(tiny):
 def test_child_process_engine_records_the_version_that_sampled_each_token(tiny, monkeypatch):
     """Under torchrun the engine core is a child process that steps on its own, ahead of our step(): outputs read
     after a weight load may have been sampled before it. Each token carries the version of the weights that sampled
-    it (vLLM's weight_version stamp; the core is paused across the load, its requests and KV kept)."""
+    it (vLLM's weight_version stamp; the core is paused across the load, its requests and KV kept). Every load, the
+    first one too, reaches the core in buckets, one RPC message each (msgpack's limit is 4 GiB; an 8B model is 16 GB),
+    and gives the trainer's logprobs."""
     model, tok, cfg = tiny
     new = perturbed(model, tok)
     monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)  # the engine sets it; restored after
-    monkeypatch.setattr(VLLMEngine, "__init__",  # child=True: what a torchrun rank gets
-                        partialmethod(VLLMEngine.__init__, child=True))
+    sent, rpc = [], vllm.LLMEngine.collective_rpc
+
+    def spy(llm, method, *args, **kwargs):  # the bytes of each bucket sent to the core
+        sent.append(sum(memoryview(b).nbytes for b in kwargs["args"]))
+        return rpc(llm, method, *args, **kwargs)
+    monkeypatch.setattr(vllm.LLMEngine, "collective_rpc", spy)
+    monkeypatch.setattr(VLLMEngine, "__init__",  # child=True: what a torchrun rank gets; 64 KB buckets
+                        partialmethod(VLLMEngine.__init__, child=True, bucket_bytes=64 << 10))
     eng = vllm_engine(model, tok, cfg, interrupt=False, think_min=40, think_max=40, slots=64)
     assert eng.child
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    # the embedding, each decoder layer (over 64 KB), the final norm with the head; torch.save's headers on top
+    assert len(sent) == model.config.num_hidden_layers + 2 and max(sent) < size / 3 and sum(sent) > size, sent
     for t in templates(tok, 8):
         eng.add(t, 4)
     done = []
@@ -176,6 +187,7 @@ def test_child_process_engine_records_the_version_that_sampled_each_token(tiny, 
         time.sleep(0.001)
     read = {id(r.sample): len(r.sample.tokens) for r in eng.live.values()}  # tokens read before the update
     eng.load_weights(new, 1)
+    assert len(sent) == 2 * (model.config.num_hidden_layers + 2)
     while eng.busy:
         done += eng.step()
     samples = [s for g in done for s in g]
@@ -328,20 +340,37 @@ def test_weights_loaded_bucket_by_bucket_give_the_trainers_logprobs(tiny):
 
 
 def test_a_bucket_crosses_vllms_rpc_as_bytes_and_arrives_exact():
-    """Under torchrun vLLM's engine core is a child process: a bucket goes as bytes through vLLM's own msgpack
-    serialisation and comes back as the same tensors (bf16 body, fp32 head) in the worker."""
-    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
-    gen = torch.Generator().manual_seed(0)
-    pairs = [("model.layers.0.mlp.up_proj.weight", torch.randn(96, 32, generator=gen).bfloat16()),
-             ("model.norm.weight", torch.randn(32, generator=gen).bfloat16()),
-             ("lm_head.weight", torch.randn(40, 32, generator=gen))]
-    wire = MsgpackDecoder().decode(MsgpackEncoder().encode((as_bytes(pairs),)))[0]
+    """Under torchrun vLLM's engine core is a child process: VLLMEngine.load_weights sends each bucket (whole decoder
+    layers) as bytes through vLLM's own msgpack serialisation, and the worker gets the same tensors (bf16 body, fp32
+    head). No engine: load_weights runs on a stand-in for vLLM's RPC."""
+    from types import SimpleNamespace
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, run_method
+    model = trainer.tiny_model(scalerl.Config(), 40).bfloat16()
+    model.lm_head.float()
+    got = []
 
     class Worker:
         def reload_weights(self, weights_iterator):
-            self.got = list(weights_iterator)
-    worker = Worker()
-    load_in_worker(worker, wire)
-    assert [n for n, _ in worker.got] == [n for n, _ in pairs]
-    for (_, got), (_, want) in zip(worker.got, pairs):
-        assert got.dtype == want.dtype and torch.equal(got, want)
+            got.append(list(weights_iterator))
+
+    class LLM:  # SyncMPClient.collective_rpc: the arguments go to the core as msgpack, which runs it on its worker
+        def collective_rpc(self, method, args=()):
+            wire = MsgpackEncoder().encode(args)
+            sent.append(sum(memoryview(b).nbytes for b in wire))
+            run_method(Worker(), method, MsgpackDecoder().decode(wire), {})
+    eng, sent = SimpleNamespace(child=True, paused=True, model=model, bucket_bytes=64 << 10, llm=LLM()), []
+    VLLMEngine.load_weights(eng, model, 1)
+    runs = list(buckets(((n, p, p.dtype) for n, p in model.named_parameters()), 64 << 10))
+    assert [[n for n, _ in b] for b in got] == [[n for n, _, _ in r] for r in runs] and len(got) >= 5
+    want = dict(model.named_parameters())
+    for n, t in (x for b in got for x in b):
+        assert t.dtype == want[n].dtype and torch.equal(t, want[n])
+    # a generator rank's buckets are views of its receive buffer (here 8 MB): each message carries its bucket only
+    bufs, got[:], sent[:] = {0: torch.empty(8 << 20, dtype=torch.uint8)}, [], []
+    for run in runs:
+        with torch.no_grad():  # as receive_weights: the bucket lands in views of the buffer
+            _, parts = new_bucket(run, "cpu", bufs)
+            bucket = {n: x.view(p.shape).copy_(p) for x, (n, p, _) in zip(parts, run)}
+        VLLMEngine.load_weights(eng, bucket, 1)
+        assert sent[-1] < sum(p.numel() * p.element_size() for _, p, _ in run) + (16 << 10), sent
+    assert all(torch.equal(t, want[n]) for b in got for n, t in b)
