@@ -102,7 +102,8 @@ def place(cfg, job, model, ckpt, resume):
 
 def make_engine(cfg, model, tok, seed):
     """A generation engine (--engine) with its own copy of `model`, the run's budgets and sampling."""
-    dtype, dev = getattr(torch, cfg.dtype), device()
+    # vLLM loads its own copy from ours in buckets: ours stays on the CPU, vLLM needs the GPU's free memory at start
+    dtype, dev = getattr(torch, cfg.dtype), device() if cfg.engine == "torch" else torch.device("cpu")
     head = {id(p) for p in model.get_output_embeddings().parameters()}  # weight, and a bias if it has one
     # an untied FP32 head stays fp32 (Sec. 3.2); the rest takes the body dtype, buffers (RoPE) stay as they are
     fp32 = head if cfg.fp32_head and id(model.get_input_embeddings().weight) not in head else set()

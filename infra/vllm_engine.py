@@ -64,6 +64,16 @@ def start_vllm(child, **args):
         torch.set_num_threads(threads)
 
 
+def vllm_share(most, free, total):
+    """vLLM's gpu_memory_utilization: at most `most`, and no more than the GPU has free now, less 1 GiB for the
+    engine core's CUDA context (a second engine, or the trainer beside it, holds the rest)."""
+    share = min(most, (free - (1 << 30)) / total)
+    if share < 0.05:
+        raise ValueError(f"only {free / 2 ** 30:.1f} of {total / 2 ** 30:.0f} GiB of this GPU are free, too little for "
+                         "a vLLM engine; free it, or lower --micro_batch_tokens or --slots")
+    return share
+
+
 class VLLMEngine(Engine):
     """One `step()` is one vLLM engine step; `self.model` is a meta-device copy of the model (names, shapes, dtypes)."""
     def __init__(self, model, *, slots, head_dtype=torch.float32, seed=0, gpu_share=0.9, child=None,
@@ -82,6 +92,8 @@ class VLLMEngine(Engine):
         kv_bytes = 2 * cfg.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
         memory = dict(gpu_memory_utilization=gpu_share) if self.child and torch.cuda.is_available() else \
             dict(kv_cache_memory_bytes=kv_bytes * slots * (self.max_len + 128), enforce_eager=True)
+        if torch.cuda.is_available():  # vLLM refuses to start past what is free (v1/worker/utils.py, request_memory)
+            memory["gpu_memory_utilization"] = gpu_share = vllm_share(gpu_share, *torch.cuda.mem_get_info())
         self.llm = start_vllm(self.child, model=self.dir.name, load_format="dummy", skip_tokenizer_init=True, seed=seed,
                               max_model_len=self.max_len, dtype=str(dtype).removeprefix("torch."), max_num_seqs=slots,
                               async_scheduling=False, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
@@ -172,7 +184,9 @@ class VLLMEngine(Engine):
     def _submit(self, run):
         """A request for `run`'s budgets, salted with the current version; one prefill each, so ids are unique."""
         s, rid = run.sample, f"{run.sample.group}-{self.stats['prefills']}"
-        seed = int(torch.randint(2 ** 31, (1,), generator=self.rng))
+        # a seeded request sends vLLM's GPU sampler down a per-request loop (v1/sample/ops/topk_topp_sampler.py,
+        # random_sample): on a GPU the engine's own seed serves every request
+        seed = None if self.device.type == "cuda" else int(torch.randint(2 ** 31, (1,), generator=self.rng))
         prompt = dict(type="token", prompt_token_ids=s.prompt_tokens + s.tokens, cache_salt=f"v{self.version}")
         max_tokens = run.left + (self.answer_budget if run.thinking else 0)
         self.llm.add_request(rid, prompt, self.params(max_tokens=max_tokens, seed=seed))

@@ -24,7 +24,8 @@ import trainer  # noqa: E402
 from engine import Sample  # noqa: E402
 from infra.dist import buckets, new_bucket  # noqa: E402
 from infra.run import make_engine  # noqa: E402
-from infra.vllm_engine import VLLMEngine  # noqa: E402
+from infra import run as infra_run  # noqa: E402
+from infra.vllm_engine import VLLMEngine, vllm_share  # noqa: E402
 from conftest import read_jsonl, run_command, scalerl_command, torchrun_command  # noqa: E402
 from test_learns import LEARNS  # noqa: E402
 
@@ -105,6 +106,48 @@ def test_same_seed_same_samples(tiny):
     model, tok, cfg = tiny
     a, b = (vllm_engine(model, tok, cfg, seed=5).generate(templates(tok, 4), 4) for _ in range(2))
     assert [s.tokens for g in a for s in g] == [s.tokens for g in b for s in g]
+
+
+def test_on_a_gpu_requests_carry_no_seed_of_their_own(tiny, monkeypatch):
+    """A seeded request sends vLLM's GPU sampler down its per-request loop: on CPU each request has a seed drawn from
+    the engine's rng (same seed, same samples), on a GPU none (the engine's own seed serves)."""
+    model, tok, cfg = tiny
+    e, seen = vllm_engine(model, tok, cfg), []
+    add = e.llm.add_request
+    monkeypatch.setattr(e.llm, "add_request", lambda rid, prompt, params: seen.append(
+        (e.device.type, params.seed)) or add(rid, prompt, params))
+    e.generate(templates(tok, 2), 2)
+    e.device = torch.device("cuda")  # what a generator rank's engine has; sampling itself still runs on the CPU
+    e.generate(templates(tok, 2), 2)
+    assert {kind for kind, _ in seen} == {"cpu", "cuda"}
+    assert all((seed is None) == (kind == "cuda") for kind, seed in seen)
+
+
+def test_the_parent_holds_no_device_copy_beside_vllm(tiny, monkeypatch):
+    """vLLM checks at start that its share of the GPU is free: the engine's copy of the weights is made on the CPU
+    (cast to the body dtype, an untied head fp32) and streamed to vLLM in buckets; the PyTorch engine's is on the
+    rank's device. The meta device stands in for a GPU."""
+    model, tok, cfg = tiny
+    made = []
+    monkeypatch.setattr(infra_run, "device", lambda: torch.device("meta"))
+    monkeypatch.setattr("infra.vllm_engine.VLLMEngine", lambda weights, **kw: made.append(weights))
+    infra_run.make_engine(replace(cfg, engine="vllm", dtype="bfloat16"), model, tok, 0)
+    params = dict(made[0].named_parameters())
+    assert {p.device.type for p in params.values()} == {"cpu"}
+    assert params["lm_head.weight"].dtype == torch.float32 and params["model.norm.weight"].dtype == torch.bfloat16
+    monkeypatch.setattr(infra_run.engine, "TorchEngine", lambda weights, **kw: made.append(weights))
+    infra_run.make_engine(replace(cfg, engine="torch"), model, tok, 0)
+    assert {p.device.type for p in made[1].parameters()} == {"meta"}
+
+
+def test_vllm_takes_only_what_the_gpu_has_free():
+    """vLLM refuses to start when gpu_memory_utilization x total is more than is free (v1/worker/utils.py): its share
+    is what is free, less 1 GiB for its CUDA context, at most --gpu_memory_utilization; too little is one line."""
+    GiB = 1 << 30
+    assert vllm_share(0.9, 79 * GiB, 80 * GiB) == 0.9
+    assert vllm_share(0.9, 62 * GiB, 80 * GiB) == pytest.approx(61 / 80)  # beside a trainer, or a second engine
+    with pytest.raises(ValueError, match="only 3.0 of 80 GiB of this GPU are free, too little for a vLLM engine"):
+        vllm_share(0.9, 3 * GiB, 80 * GiB)
 
 
 def perturbed(model, tok):
