@@ -94,14 +94,16 @@ def sync_rows(cfg, shape, world):
     reused --sync_bucket_mb buffers, one in flight while the other is packed, beside one FSDP2-gathered parameter; a
     generator's PyTorch engine receives each bucket straight into its parameters, vLLM (and a PPO-off-policy version
     that is not loaded) into one reused bucket buffer (infra.dist.receive_weights)."""
-    P, _, _, b, _ = sizes(cfg, shape)
+    P, _, _, b, hb = sizes(cfg, shape)
     model = engine_rows(cfg, shape, 0)["engine weights"]
     if world == 1:
         return {"trainer 0": {"weight-sync buffers": model * (b < 4)}, "generator": {"weight-sync buffers": 0.0}}
     bucket = min(cfg.sync_bucket_mb * 2 ** 20, model)
     largest = max(shape[6] * shape[1], 3 * shape[1] * shape[2]) * b  # a gathered embedding, or a layer's MLP
     return {"trainer 0": {"weight-sync buffers": 2 * bucket + largest},
-            "generator": {"weight-sync buffers": bucket * (cfg.engine == "vllm" or cfg.off_policy == "ppo")}}
+            # a bucket holds whole units: the head (fp32 when untied, 2.49 GB at 8B) is one of its own
+            "generator": {"weight-sync buffers": max(bucket, shape[6] * shape[1] * hb) * (
+                cfg.engine == "vllm" or cfg.off_policy == "ppo")}}
 
 
 def columns(cfg, shape, world, T, seq):
@@ -116,8 +118,10 @@ def columns(cfg, shape, world, T, seq):
         cols[f"trainer{'s 1-' if T > 2 else ' '}{T - 1}"] = {**train, "weight-sync buffers": 0.0}
     cols["generators"] = {**engine, **sync["generator"]}
     if cfg.engine == "vllm":
-        left = VLLM_SHARE * GPU_GB * GB - engine["engine weights"] - sync["generator"]["weight-sync buffers"]
-        cols["generators"]["KV cache"] = max(0.0, left)
+        # vLLM's share holds its weights and the KV cache; the generator process's receive buffer and its CUDA context
+        # are outside it (infra/vllm_engine.vllm_share leaves 1 GiB of what is free)
+        cols["generators"]["KV cache"] = max(0.0, VLLM_SHARE * GPU_GB * GB - engine["engine weights"])
+        cols["generators"]["CUDA context"] = 0.5 * GB
     return cols
 
 
@@ -163,7 +167,7 @@ def memory_lines(cfg, shape, world, T, seq, flight):
             f"\n    (--micro_batch_tokens={cfg.micro_batch_tokens:,} holds no full sequence: a longer one is a "
             "micro-batch of its own)" if cfg.micro_batch_tokens < seq else ""),
         f"  KV cache {full / u:.2f} {unit} per full-length sequence: " + (
-            f"a generator's holds {kv / full:.0f} (vLLM's {VLLM_SHARE:.0%} less weights and sync buffers) of its "
+            f"a generator's holds {kv / full:.0f} (vLLM's {VLLM_SHARE:.0%} less its weights) of its "
             f"{flight}\n    completions in flight; vLLM pages the cache, queues the rest" if world > 1 and
             cfg.engine == "vllm" else f"each engine allocates --slots={cfg.slots}"),
         "  weight sync: " + (f"{cfg.sync_bucket_mb:,} MB buckets, two on trainer 0 (one packed, one in flight); a "
