@@ -61,15 +61,13 @@ def sandbox_mode():
     """(unshare command, own uid?, Landlock?) of the sandbox that runs a canary here, or None; found once."""
     with _SANDBOX_LOCK:
         if not _SANDBOX_MODE:
-            root, unshare = os.geteuid() == 0, shutil.which("unshare") or "unshare"
-            # own user (unless root), network, PID and IPC namespaces; as root a uid per check instead of a user one
-            prefix = [unshare, *([] if root else ["-r"]), "-n", "-p", "-i", "-f", "--kill-child"]
-            canary = ("import math\nprint(int(input())+1)", [("41\n", "42")], 10.0)  # a program, its tests, a limit
-            _SANDBOX_MODE.append(next((m for m in ((prefix, root, True), (prefix, root, False))
-                                       if _run_tests(*canary, m)), None))
-            if _SANDBOX_MODE[0] is None:
-                print(f"warning: {sandbox_description(None)}", file=sys.stderr)
-            elif not _SANDBOX_MODE[0][2]:
+            root, canary = os.geteuid() == 0, ("import math\nprint(int(input())+1)", [("41\n", "42")], 10.0)
+            try:
+                _SANDBOX_MODE.append(next((m for m in ((_prefix(), root, True), (_prefix(), root, False))
+                                           if shutil.which("unshare") and _run_tests(*canary, m)), None))
+            except OSError:  # unshare cannot run
+                _SANDBOX_MODE.append(None)
+            if _SANDBOX_MODE[0] and not _SANDBOX_MODE[0][2]:
                 print(f"warning: the code sandbox runs without Landlock: {_NO_LANDLOCK}", file=sys.stderr)
         return _SANDBOX_MODE[0]
 
@@ -79,11 +77,13 @@ def sandbox_description(mode=False):
     mode = sandbox_mode() if mode is False else mode
     if mode is None:
         try:  # the kernel's refusal, in its own words
-            probe = subprocess.run(["unshare", "-r", "-n", "-p", "-i", "-f", "true"], capture_output=True, text=True,
-                                   timeout=30)
-            error = probe.stderr.strip() or f"unshare: exit code {probe.returncode}"
+            probe = subprocess.run(_prefix() + ["true"], capture_output=True, text=True, timeout=30)
+            error = probe.returncode and (probe.stderr.strip() or f"unshare: exit code {probe.returncode}")
         except OSError as e:
             error = f"unshare (util-linux): {e.strerror}"
+        if not error:
+            return ("no code sandbox works here: namespaces do, but a program in them failed (before Linux 5.14 a user "
+                    "other than root has every process of its uid counted against the sandbox's RLIMIT_NPROC)")
         return (f"the code sandbox needs network, PID and IPC namespaces, which this machine refuses ({error}); allow "
                 "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1; on Ubuntu 23.10 and later "
                 "kernel.apparmor_restrict_unprivileged_userns=0) or, in a container, give it CAP_SYS_ADMIN")
@@ -95,6 +95,12 @@ def sandbox_description(mode=False):
     uid = f"uids {1_000_000 + os.getpid() % 4_000_000 * 64}+ (one per check)" if mode[1] else "a user namespace"
     return (f"namespaces: net, pid, ipc; {uid}; {landlock}; {_MEMORY >> 20} MB a process, {_TASKS} processes or "
             "threads a program; audit hook (a tripwire)")
+
+
+def _prefix():
+    """unshare's command: own user (unless root: a uid per check), network, PID and IPC namespaces."""
+    root = os.geteuid() == 0
+    return [shutil.which("unshare") or "unshare", *([] if root else ["-r"]), "-n", "-p", "-i", "-f", "--kill-child"]
 
 
 def _run_tests(program, tests, time_limit, mode):
