@@ -9,8 +9,10 @@ __all__ = ["die", "fail", "first_line", "print0"]
 
 
 def fail(msg):
-    """A user's mistake, before or between steps: one line an operator can act on, and exit code 2."""
-    print(f"error: {msg}", file=sys.stderr)
+    """A user's mistake, before or between steps: one line an operator can act on, and exit code 2; under torchrun
+    the line names the rank that stopped (a generator rank may fail where the trainer ranks do not)."""
+    rank = f"rank {os.environ.get('RANK', '?')}: " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
+    print(f"error: {rank}{msg}", file=sys.stderr)
     raise SystemExit(2)
 
 

@@ -60,11 +60,15 @@ def dist_init(gen_ranks=0, timeout=60.0, gen_share=0.5):
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world == 1:
         return Dist(timeout=timeout)
-    trainers, generators = roles(world, gen_ranks, gen_share)
+    roles(world, gen_ranks, gen_share)  # a split that leaves no trainer is refused before joining
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # one GPU per rank (NCCL needs it set first)
     dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
                             timeout=timedelta(seconds=max(timeout, 1800)))  # start-up only, long warm start included
+    # rank 0's generator count on every rank (infra.run.start may take it from the plan, which reads rank 0's files)
+    box = [gen_ranks]
+    dist.broadcast_object_list(box, src=0)
+    trainers, generators = roles(world, box[0], gen_share)
     t = timedelta(seconds=timeout)
     groups = dict(trainer=dist.new_group(trainers, timeout=t), weights=dist.new_group([0] + generators, timeout=t))
     for rank in generators:  # pickled rollouts are CPU bytes: gloo even where weights go over NCCL

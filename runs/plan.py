@@ -102,7 +102,7 @@ def sync_rows(cfg, shape, world):
     largest = max(shape[6] * shape[1], 3 * shape[1] * shape[2]) * b  # a gathered embedding, or a layer's MLP
     return {"trainer 0": {"weight-sync buffers": 2 * bucket + largest},
             # a bucket holds whole units: the head (fp32 when untied, 2.49 GB at 8B) is one of its own
-            "generator": {"weight-sync buffers": max(bucket, shape[6] * shape[1] * hb) * (
+            "generator": {"weight-sync buffers": max(bucket, shape[6] * shape[1] * (b if shape[7] else hb)) * (
                 cfg.engine == "vllm" or cfg.off_policy == "ppo")}}
 
 

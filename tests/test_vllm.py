@@ -6,7 +6,6 @@ peaked as in training. Each engine starts in a few seconds after a ~10 s import 
 Run: python -m pytest tests/test_vllm.py -q      (the three slow tests run scalerl.py with --engine vllm: minutes)
 """
 from dataclasses import replace
-from functools import partialmethod
 import json
 import random
 import time
@@ -213,8 +212,9 @@ def test_child_process_engine_records_the_version_that_sampled_each_token(tiny, 
         sent.append(sum(memoryview(b).nbytes for b in kwargs["args"]))
         return rpc(llm, method, *args, **kwargs)
     monkeypatch.setattr(vllm.LLMEngine, "collective_rpc", spy)
-    monkeypatch.setattr(VLLMEngine, "__init__",  # child=True: what a torchrun rank gets; 64 KB buckets
-                        partialmethod(VLLMEngine.__init__, child=True, bucket_bytes=64 << 10))
+    init = VLLMEngine.__init__  # child=True: what a torchrun rank gets; 64 KB buckets, whatever the caller asks
+    monkeypatch.setattr(VLLMEngine, "__init__", lambda self, *args, **kw: init(self, *args, **{
+        **kw, "child": True, "bucket_bytes": 64 << 10}))
     eng = vllm_engine(model, tok, cfg, interrupt=False, think_min=40, think_max=40, slots=64)
     assert eng.child
     size = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -365,6 +365,22 @@ def test_torchrun_generator_rank_on_vllm(tmp_path):
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6] and sum(r["gen_tok_s"] for r in train) > 0
     assert all(r["policy_version"] == r["step"] and r["lag_max"] <= 2 for r in train)
     assert any(r["lag_max"] >= 1 for r in train)  # the generator went on while the trainer stepped
+
+
+@pytest.mark.slow
+def test_a_generator_rank_that_cannot_start_names_itself(tmp_path):
+    """Only the generator rank builds a vLLM engine under torchrun, so only it refuses a temperature below vLLM's
+    floor: its line names it, and the folder it leaves starts afresh."""
+    out = tmp_path / "run"
+    cmd = torchrun_command("--standalone", "--nproc_per_node=2", "scalerl.py", "--config=smoke", "--threads=1",
+                           "--engine=vllm", "--temperature=0.005", f"--out_dir={out}", "--dist_timeout=120")
+    p = run_command(cmd, timeout=900, env=dict(OMP_NUM_THREADS="1"))
+    assert p.returncode != 0
+    assert "error: rank 1: temperature 0.005 is below vLLM's floor 0.01" in p.stderr, p.stderr[-3000:]
+    ok = run_command(torchrun_command("--standalone", "--nproc_per_node=2", "scalerl.py", "--config=smoke",
+                                      "--threads=1", f"--out_dir={out}", "--max_steps=2"), timeout=900,
+                     env=dict(OMP_NUM_THREADS="1"))
+    assert ok.returncode == 0, ok.stderr[-3000:]
 
 
 def test_weights_loaded_bucket_by_bucket_give_the_trainers_logprobs(tiny):
