@@ -134,8 +134,14 @@ def export_hf(cfg, model, tok, weights):
     tok = training_template(tok, getattr(cfg, "instruction", ""))
     weights = {k: v.to(getattr(torch, cfg.dtype)) for k, v in weights.items()}
     path = os.path.join(cfg.out_dir, "hf")
-    write_atomic(path, lambda tmp: (model.save_pretrained(tmp, state_dict=weights), tok.save_pretrained(tmp)),
-                 tensor_bytes(weights))
+
+    def write(tmp):
+        model.save_pretrained(tmp, state_dict=weights)
+        tok.save_pretrained(tmp)
+        # save_pretrained names the model's dtype (the fp32 masters'); the weights are in the body dtype
+        conf = pathlib.Path(tmp, "config.json")
+        conf.write_text(json.dumps({**json.loads(conf.read_text()), "dtype": cfg.dtype}, indent=2))
+    write_atomic(path, write, tensor_bytes(weights))
     return path
 
 

@@ -5,10 +5,14 @@ random weights (nothing downloaded), through the trainer's Policy and the PyTorc
   embedding, Gemma 2's final soft cap and Granite's logit scaling, not a plain matmul of the last hidden state.
 - The engine's behaviour logprobs equal the trainer's on the tokens it sampled (fp32, 1e-5), and stay close with a
   bf16 body through FSDP2's mixed precision and the FP32 head.
+- Every family takes two train steps in one process as a run takes them (an fp32 body; a bf16 body through FSDP2's
+  mixed precision with the FP32 head) on the engine's own completions; its export loads with from_pretrained and
+  generates, with the trained model's logits in fp32.
 - GPT-2 (absolute positions, fused QKV, no num_key_value_heads) trains from the command line and its export loads.
 """
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -16,10 +20,11 @@ import transformers as T
 
 import data
 import losses
+import scalerl
 import trainer
 from conftest import one_line_error, run_command, scalerl_command, torchrun_command
 from engine import Sample, TorchEngine
-from infra import dist
+from infra import dist, run, rundir
 
 V = 300
 BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=V)
@@ -123,6 +128,56 @@ def own(tmp_path_factory):
     return base, T.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>"), base / "rows.jsonl"
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_two_steps_in_one_process_then_the_export_loads_and_generates(own, tmp_path, name, dtype):
+    """infra.run's one-process pieces: the engine (make_engine's cast), the policy and AdamW (run.policy: FSDP2 mixed
+    precision for a bf16 body, the FP32 head), two train steps on the engine's completions with the first step's
+    weights loaded before the second, the export (rundir.export_hf of policy.weights(), as run.finish writes it)."""
+    tok = copy.deepcopy(own[1])
+    tok.pad_token = tok.eos_token  # as sources.load_model sets it
+    cfg = scalerl.Config(dtype=dtype, out_dir=str(tmp_path), lr=1e-3, warmup_steps=0, slots=4, max_prompt=6,
+                         think_min=8, think_max=10, answer_budget=3, interrupt=False)
+    model = build(name)
+    eng = run.make_engine(cfg, model, tok, 0)
+    policy, opt = run.policy(cfg, dist.Dist(), model, tok)
+    params = dict(model.named_parameters()).keys()
+    before = {k: v.clone() for k, v in dist.full_state_dict(model).items() if k in params}
+    for step in range(2):
+        if step:
+            eng.load_weights(policy.state(), step)
+        groups = eng.generate([Sample(i, i, [5 + i, 6, 7 + i]) for i in range(3)], 2)
+        for g in groups:
+            for j, s in enumerate(g):
+                s.reward = float(j % 2)  # every group has variance: every completion has an advantage
+        stats = trainer.train_step(policy, opt, groups, cfg, step)
+        assert stats["finite"] and math.isfinite(stats["loss"]) and stats["n_tokens"] >= 6 * 8, stats
+    after = dist.full_state_dict(model)
+    assert all(after[k].dtype == torch.float32 for k in before)  # the fp32 masters
+    assert [k for k in before if torch.equal(after[k], before[k])] == []  # every parameter moved
+
+    final = {n: t.to(d).cpu() for n, t, d in policy.weights()}
+    path = rundir.export_hf(cfg, model, tok, final)
+    hf = T.AutoModelForCausalLM.from_pretrained(path)
+    ids = T.AutoTokenizer.from_pretrained(path)("What is 2 plus 5?", return_tensors="pt").input_ids
+    out = hf.generate(ids, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 4 and torch.equal(out[:, :ids.shape[1]], ids)
+    loaded = hf.state_dict()
+    for n, t in final.items():  # the trained weights as export_hf writes them, in the body dtype (and loaded as saved)
+        assert torch.equal(loaded[n], t.to(getattr(torch, dtype)).to(loaded[n].dtype)), n
+    ids, att, tmask, _ = trainer.rollout_tensors([s for g in groups for s in g], tok.pad_token_id)
+    policy.eval()
+    with torch.no_grad():
+        mine, theirs = policy(ids, att), hf(input_ids=ids, attention_mask=att).logits.float()
+        if dtype == "float32":  # the same weights through the same model code: the trained model's own logits
+            assert torch.equal(theirs, model(input_ids=ids, attention_mask=att).logits)
+    theirs = torch.log_softmax(theirs, -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    gap = (mine - theirs)[tmask.bool()].abs()
+    # fp32: the trainer's chunked FP32 head against the export's full log_softmax, 1.1e-6 at most (olmo2); a bf16 body
+    # against the export's bf16-rounded weights computed as loaded: a mean of 0.004 to 0.013 nats (0.0004 for GPT-2)
+    assert gap.max() < 1e-5 if dtype == "float32" else gap.mean() < 0.03, (gap.max().item(), gap.mean().item())
+
+
 def saved(own, name, model, tokenizer=True):
     """`model` (and the tokenizer) written with save_pretrained into a folder of the base dir."""
     base, tok, _ = own
@@ -135,8 +190,8 @@ def saved(own, name, model, tokenizer=True):
 def gpt2(tok, **kw):
     torch.manual_seed(0)
     return T.GPT2LMHeadModel(T.GPT2Config(**{**dict(n_embd=64, n_layer=2, n_head=4, vocab_size=len(tok),
-                                                     n_positions=512, bos_token_id=tok.eos_token_id,
-                                                     eos_token_id=tok.eos_token_id), **kw}))
+                                                    n_positions=512, bos_token_id=tok.eos_token_id,
+                                                    eos_token_id=tok.eos_token_id), **kw}))
 
 
 def command(own, model, out, *args):
@@ -194,8 +249,8 @@ def test_two_families_run_under_torchrun(own, tmp_path, name, ranks):
     model = gpt2(tok) if name == "gpt2" else T.GPTNeoXForCausalLM(T.GPTNeoXConfig(
         **{**BASE, "vocab_size": len(tok)}, max_position_embeddings=512, eos_token_id=tok.eos_token_id))
     out = tmp_path / "run"
-    cmd = torchrun_command("--standalone", f"--nproc_per_node={ranks}", *command(own, saved(own, name, model), out,
-                                                                               "--gen_ranks=1")[1:])
+    cmd = torchrun_command("--standalone", f"--nproc_per_node={ranks}",
+                           *command(own, saved(own, name, model), out, "--gen_ranks=1")[1:])
     p = run_command(cmd, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
