@@ -370,17 +370,13 @@ def test_torchrun_generator_rank_on_vllm(tmp_path):
 @pytest.mark.slow
 def test_a_generator_rank_that_cannot_start_names_itself(tmp_path):
     """Only the generator rank builds a vLLM engine under torchrun, so only it refuses a temperature below vLLM's
-    floor: its line names it, and the folder it leaves starts afresh."""
+    floor, and its line names it."""
     out = tmp_path / "run"
     cmd = torchrun_command("--standalone", "--nproc_per_node=2", "scalerl.py", "--config=smoke", "--threads=1",
                            "--engine=vllm", "--temperature=0.005", f"--out_dir={out}", "--dist_timeout=120")
     p = run_command(cmd, timeout=900, env=dict(OMP_NUM_THREADS="1"))
     assert p.returncode != 0
     assert "error: rank 1: temperature 0.005 is below vLLM's floor 0.01" in p.stderr, p.stderr[-3000:]
-    ok = run_command(torchrun_command("--standalone", "--nproc_per_node=2", "scalerl.py", "--config=smoke",
-                                      "--threads=1", f"--out_dir={out}", "--max_steps=2"), timeout=900,
-                     env=dict(OMP_NUM_THREADS="1"))
-    assert ok.returncode == 0, ok.stderr[-3000:]
 
 
 def test_weights_loaded_bucket_by_bucket_give_the_trainers_logprobs(tiny):
