@@ -61,10 +61,11 @@ def sandbox_mode():
     """(unshare command, own uid?, Landlock?) of the sandbox that runs a canary here, or None; found once."""
     with _SANDBOX_LOCK:
         if not _SANDBOX_MODE:
-            root, canary = os.geteuid() == 0, ("import math\nprint(int(input())+1)", [("41\n", "42")], 10.0)
+            prefix, root = _prefix(), os.geteuid() == 0
+            canary = ("import math\nprint(int(input())+1)", [("41\n", "42")], 10.0)  # a program, its tests, a limit
+            modes = ((prefix, root, True), (prefix, root, False)) if shutil.which("unshare") else ()
             try:
-                _SANDBOX_MODE.append(next((m for m in ((_prefix(), root, True), (_prefix(), root, False))
-                                           if shutil.which("unshare") and _run_tests(*canary, m)), None))
+                _SANDBOX_MODE.append(next((m for m in modes if _run_tests(*canary, m)), None))
             except OSError:  # unshare cannot run
                 _SANDBOX_MODE.append(None)
             if _SANDBOX_MODE[0] and not _SANDBOX_MODE[0][2]:
@@ -72,9 +73,9 @@ def sandbox_mode():
         return _SANDBOX_MODE[0]
 
 
-def sandbox_description(mode=False):
+def sandbox_description():
     """What confines a program here, in one line for the run's header; without a sandbox, why and what to do."""
-    mode = sandbox_mode() if mode is False else mode
+    mode = sandbox_mode()
     if mode is None:
         try:  # the kernel's refusal, in its own words
             probe = subprocess.run(_prefix() + ["true"], capture_output=True, text=True, timeout=30)

@@ -91,10 +91,10 @@ class VLLMEngine(Engine):
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads  # GPT-2: none of its own
         kv_bytes = 2 * cfg.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
-        memory = dict(gpu_memory_utilization=gpu_share) if self.child and torch.cuda.is_available() else \
+        memory = {} if self.child and torch.cuda.is_available() else \
             dict(kv_cache_memory_bytes=kv_bytes * slots * (self.max_len + 128), enforce_eager=True)
         if torch.cuda.is_available():  # vLLM refuses to start past what is free (v1/worker/utils.py, request_memory)
-            memory["gpu_memory_utilization"] = gpu_share = vllm_share(gpu_share, *torch.cuda.mem_get_info())
+            memory["gpu_memory_utilization"] = vllm_share(gpu_share, *torch.cuda.mem_get_info())
         self.llm = start_vllm(self.child, model=self.dir.name, load_format="dummy", skip_tokenizer_init=True, seed=seed,
                               max_model_len=self.max_len, dtype=str(dtype).removeprefix("torch."), max_num_seqs=slots,
                               async_scheduling=False, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
@@ -140,10 +140,11 @@ class VLLMEngine(Engine):
             self.llm.engine_core.call_utility("pause_scheduler", "keep", False)
             self.paused = True
         for run in buckets(((n, t, self.model.get_parameter(n).dtype) for n, t in named), self.bucket_bytes):
-            pairs = [(n, t.detach().to(dtype)) for n, t, dtype in run]
-            # to a child: bytes (sent as they are), not tensors in a list; copies, or a view saves all of its storage
+            # to a child: copies on the CPU (a view would save all of its storage), sent as bytes, not tensors in a list
+            where = "cpu" if self.child else None
+            pairs = [(n, t.detach().to(where or t.device, dtype, copy=self.child)) for n, t, dtype in run]
             if self.child:
-                torch.save([(n, t.to("cpu", copy=True)) for n, t in pairs], buf := io.BytesIO())
+                torch.save(pairs, buf := io.BytesIO())
                 pairs = buf.getbuffer()
             self.llm.collective_rpc(load_in_worker, args=(pairs,))
         self.version = version
