@@ -3,12 +3,13 @@
 `check_program` never raises and passes a program only if every test's output matches. Each runs in a fresh
 `python -I -S` with an empty environment in a temporary directory, removed after, in network, PID and IPC namespaces
 of its own (no network; signals reach only the check's own processes; whatever it leaves running, and any SysV IPC
-object it made, dies with the check), as root under a uid of its own. Landlock, where the kernel has it, keeps every
-system call from writing a file or reading one outside the standard library. Past `time_limit` seconds per test the
-check is killed. Limits: 512 MB of address space a process, at most 3 processes or threads a program (1.5 GB a
-check), output, file size, open files. Without namespaces code tasks are refused (`sandbox_mode` is None, and
-`sandbox_description` says how to enable them). The audit hook inside makes ordinary attempts (files, sockets,
-subprocesses, signals) fail at once; it is a tripwire, not a boundary (PEP 578: a program can switch it off).
+object it made, dies with the check), as root under a uid of its own whose kernel keys are cleared after. Landlock,
+where the kernel has it, keeps every system call from writing a file or reading one outside the standard library.
+Past `time_limit` seconds per test the check is killed. Limits: 512 MB of address space a process, at most 3
+processes or threads a program (1.5 GB a check), output, file size, open files. Without namespaces code tasks are
+refused (`sandbox_mode` is None, and `sandbox_description` says how to enable them). The audit hook inside makes
+ordinary attempts (files, sockets, subprocesses, signals) fail at once; it is a tripwire, not a boundary (PEP 578: a
+program can switch it off).
 """
 import contextlib
 import functools
@@ -110,6 +111,8 @@ def _run_tests(program, tests, time_limit, mode):
     with contextlib.ExitStack() as cleanup:  # on the way out, in reverse: kill, close files, remove the box, free slot
         slot = _SLOTS.get()
         cleanup.callback(_SLOTS.put, slot)
+        uid = 1_000_000 + os.getpid() % 4_000_000 * 64 + slot if own_uid else -1
+        cleanup.callback(_clear_keys, uid)  # once the check is gone, before its uid serves another
         box = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="scalerl-code-", ignore_cleanup_errors=True))
         with open(os.path.join(box, "prog.py"), "w", encoding="utf-8") as f:
             f.write(program)
@@ -121,7 +124,6 @@ def _run_tests(program, tests, time_limit, mode):
         # RLIMIT_NPROC counts the tasks of the check's uid (or user namespace, where unshare counts too): the boot
         # interpreter, then the program's processes and threads; so the check's memory is bounded as a whole
         nproc = 1 + _TASKS + (not own_uid)
-        uid = 1_000_000 + os.getpid() % 4_000_000 * 64 + slot if own_uid else -1
         fds = [f.fileno() for f in files]
         limits = [_MEMORY, _OUTPUT + 1, nproc, uid, int(landlock)]
         args = [sys.executable, "-I", "-S", "-c", _BOOT, *map(str, limits + fds)]
@@ -220,6 +222,30 @@ def _kill_sandbox(pid):
         if all(_read(f"/proc/{p}/stat").rpartition(") ")[2][:1] in ("", "Z") for p in first):
             break
         time.sleep(0.005)
+
+
+# keyctl's number (asm-generic 219 on aarch64 and riscv64); elsewhere a root run's keys stay, within the uid's quota
+_KEYCTL = {"x86_64": 250, "aarch64": 219, "riscv64": 219, "ppc64le": 271, "s390x": 280}.get(os.uname().machine)
+# as the check's uid: empty, then invalidate (so the kernel frees) its user, user-session and persistent keyrings
+_CLEAR_KEYS = """import ctypes, functools, os, sys
+keyctl, uid = functools.partial(ctypes.CDLL(None).syscall, int(sys.argv[2])), int(sys.argv[1])
+os.setgroups([])
+os.setresgid(uid, uid, uid)
+os.setresuid(uid, uid, uid)
+# KEYCTL_GET_KEYRING_ID of @u and @us (ids first: a lookup by name would make them again), KEYCTL_GET_PERSISTENT
+for ring in (keyctl(0, -4, 0), keyctl(0, -5, 0), keyctl(22, -1, -2)):
+    keyctl(7, ring), keyctl(21, ring)  # KEYCTL_CLEAR, KEYCTL_INVALIDATE
+"""
+
+
+def _clear_keys(uid):
+    """A root run's check has no user namespace, so kernel keys its program added to its uid's keyrings would outlive
+    it (`add_key`, `keyctl`): where /proc/key-users lists the uid, a process of that uid removes them."""
+    users = (line.partition(":")[0].strip() for line in _read("/proc/key-users").splitlines())
+    if uid >= 0 and _KEYCTL and str(uid) in users:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            subprocess.run([sys.executable, "-I", "-S", "-c", _CLEAR_KEYS, str(uid), str(_KEYCTL)], env={}, timeout=30,
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _read(path):

@@ -4,7 +4,8 @@ releases). Every vLLM call of the project is here; vllm is imported when an engi
     seed from `rng`: same seed, same samples; on a GPU vLLM's own seed, for speed, so samples do not repeat); at the
     thinking budget (App. A.10) it is resubmitted with the phrase.
   - Behaviour logprobs are vLLM's "processed_logprobs" (after temperature), LM head in FP32 (Sec. 3.2): the trainer's
-    to round-off. A temperature in (0, 0.01), which vLLM would raise to 0.01, is refused.
+    to round-off; an untied head's weight is float32 in vLLM too (fp32_head_in_worker). A temperature in (0, 0.01),
+    which vLLM would raise to 0.01, is refused.
   - Every load, the first too (vLLM starts from dummy weights), goes in place between engine steps in buckets of whole
     decoder layers (about `bucket_bytes`) through vLLM's own loader: running requests keep their KV cache (Sec. 3.1).
   - No request submitted after an update starts from KV computed before it: prefix caching is on, every request salted
@@ -18,6 +19,7 @@ import copy
 import io
 import os
 import random
+import sys
 import tempfile
 from functools import partial
 
@@ -33,6 +35,32 @@ def load_in_worker(worker, pairs):
     if isinstance(pairs, bytes):
         pairs = torch.load(io.BytesIO(pairs), weights_only=True)
     worker.reload_weights(weights_iterator=pairs)
+
+
+def fp32_head_in_worker(worker):
+    """Runs in vLLM's worker: an untied LM head becomes float32, its weight and both operands of its product (Sec. 3.2).
+    vLLM's `head_dtype` override makes only the product's output float32: the weight stays in the body dtype
+    (`ParallelLMHead` takes no params_dtype) and the trainer's fp32 head would be rounded on every load. Also the
+    reload's record of the layer (`reload/layerwise.py`: a reload rebuilds each layer from it, then copies in), so
+    loads stay float32. False where the head is tied (the embedding: body dtype, fp32 accumulation, as the trainer's)
+    or the model class names no `lm_head` and `logits_processor`."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import capture_layer_to_meta
+    model = worker.get_model()
+    head, logits = getattr(model, "lm_head", None), getattr(model, "logits_processor", None)
+    if head is None or logits is None or any(getattr(m, "weight", None) is head.weight for m in model.modules()
+                                             if m is not head):
+        return False
+    weight = torch.nn.Parameter(head.weight.data.float(), requires_grad=False)
+    weight.__dict__.update(head.weight.__dict__)  # vLLM's weight_loader and its sharding attributes
+    head.weight = weight
+    get_layerwise_info(head).restore_metadata = capture_layer_to_meta(head)
+    # logits_processor.py `_apply_head` on CUDA would call torch.mm(bf16, fp32, out_dtype=fp32), which refuses mixed
+    # operands: this instance's own, h.float() @ W.T as the trainer's head (losses.head_logits). compute_logits runs
+    # after the captured forward (v1/worker/gpu_model_runner.py:4242), so CUDA graphs never hold the old weight
+    logits._apply_head = lambda lm_head, h, bias: torch.nn.functional.linear(
+        h.float(), lm_head.weight, None if bias is None else bias.float())
+    return True
 
 
 def start_vllm(child, **args):
@@ -93,8 +121,12 @@ class VLLMEngine(Engine):
         kv_bytes = 2 * cfg.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
         memory = {} if self.child and torch.cuda.is_available() else \
             dict(kv_cache_memory_bytes=kv_bytes * slots * (self.max_len + 128), enforce_eager=True)
+        # an untied fp32 head (fp32_head_in_worker) costs its weight again in fp32 beside vLLM's share
+        head = model.get_output_embeddings().weight
+        fp32_head = head_dtype == torch.float32 != dtype and head is not model.get_input_embeddings().weight
         if torch.cuda.is_available():  # vLLM refuses to start past what is free (v1/worker/utils.py, request_memory)
-            memory["gpu_memory_utilization"] = vllm_share(gpu_share, *torch.cuda.mem_get_info())
+            free, total = torch.cuda.mem_get_info()
+            memory["gpu_memory_utilization"] = vllm_share(gpu_share, free - fp32_head * head.numel() * 4, total)
         self.llm = start_vllm(self.child, model=self.dir.name, load_format="dummy", skip_tokenizer_init=True, seed=seed,
                               max_model_len=self.max_len, dtype=str(dtype).removeprefix("torch."), max_num_seqs=slots,
                               async_scheduling=False, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
@@ -116,6 +148,9 @@ class VLLMEngine(Engine):
             last[0] = get_output()
             return last[0]
         self.llm.engine_core.get_output = stamped
+        if fp32_head and not all(self.llm.collective_rpc(fp32_head_in_worker)):
+            print("warning: vLLM's model class has no untied lm_head beside a logits_processor: its LM head keeps the "
+                  "body dtype, with fp32 accumulation", file=sys.stderr)
         self.load_weights(model, 0)
 
     busy = property(lambda self: bool(self.live))

@@ -118,9 +118,11 @@ def columns(cfg, shape, world, T, seq):
         cols[f"trainer{'s 1-' if T > 2 else ' '}{T - 1}"] = {**train, "weight-sync buffers": 0.0}
     cols["generators"] = {**engine, **sync["generator"]}
     if cfg.engine == "vllm":
-        # vLLM's share holds its weights and the KV cache; the generator process's receive buffer and its CUDA context
-        # are outside it (infra/vllm_engine.vllm_share leaves 1 GiB of what is free)
-        cols["generators"]["KV cache"] = max(0.0, VLLM_SHARE * GPU_GB * GB - engine["engine weights"])
+        # vLLM's share holds its weights in the body dtype and the KV cache; outside it: an untied head made fp32 after
+        # (infra/vllm_engine.fp32_head_in_worker), the generator process's receive buffer and its CUDA context
+        # (vllm_share leaves 1 GiB and that head of what is free)
+        P, b = sizes(cfg, shape)[0], sizes(cfg, shape)[3]
+        cols["generators"]["KV cache"] = max(0.0, VLLM_SHARE * GPU_GB * GB - b * P)
         cols["generators"]["CUDA context"] = 0.5 * GB
     return cols
 

@@ -504,6 +504,40 @@ def test_correct_programs_that_import_the_usual_modules_pass():
     assert sandbox.check_program(program, [("1123", '[["1", 2], ["2", 1], ["3", 1]] 1123/2')])
 
 
+def test_kernel_keys_a_program_adds_are_gone_after_its_check(monkeypatch):
+    """As root a check has no user namespace of its own, so keys a program adds to its uid's user, user-session and
+    persistent keyrings would outlive it: once the check is over, none of its uid's keys is left."""
+    mode = sandbox.sandbox_mode()
+    if not mode or not mode[1]:
+        pytest.skip("checks run as root under uids of their own only")
+    # the program reaches keyctl by ctypes: loaded before the uid drops, the audit hook (a tripwire) off
+    monkeypatch.setattr(sandbox, "_BOOT", sandbox._BOOT.replace("sys.addaudithook(hook)\n", "").replace(
+        "    os.setresuid(uid, uid, uid)\n", "    import ctypes\n    os.setresuid(uid, uid, uid)\n"))
+    n = sandbox._KEYCTL
+    program = (f"import ctypes\nc = ctypes.CDLL(None).syscall\nring = c({n}, 22, -1, -4)\n"  # persistent, linked to @u
+               f"for k, dest in ((b'a', -4), (b'b', -5), (b'c', ring)):\n"  # add_key is keyctl's number less 2
+               f"    assert c({n - 2}, b'user', k, b'x' * 500, 500, dest) > 0\nprint(int(input()) + 1)")
+    base = 1_000_000 + os.getpid() % 4_000_000 * 64
+
+    def key_users():
+        with open("/proc/key-users") as f:
+            return {int(line.split(":")[0]) for line in f} & set(range(base, base + 64))
+    assert sandbox.check_program(program, [("1", "2")])
+    for _ in range(100):  # the kernel frees invalidated keys in its garbage collector, soon after
+        if not key_users():
+            break
+        time.sleep(0.05)
+    assert not key_users()
+    # the contrast: without the clearing, they stay
+    monkeypatch.setattr(sandbox, "_KEYCTL", None)
+    assert sandbox.check_program(program, [("1", "2")])
+    left = key_users()
+    monkeypatch.setattr(sandbox, "_KEYCTL", n)
+    for uid in left:
+        sandbox._clear_keys(uid)
+    assert left
+
+
 def test_a_check_has_its_own_ipc_namespace():
     """SysV shared memory made inside the sandbox's namespaces dies with the check: the prefix asks for an IPC
     namespace of its own, and a segment created under that prefix is gone from the host once it exits."""

@@ -101,6 +101,31 @@ def test_behaviour_logprobs_match_trainer_fp32_head(tiny, temperature):
     assert free_error(model, samples, 1.0 if temperature != 1.0 else 0.7) > 0.1
 
 
+def head_in_worker(worker):
+    """Runs in vLLM's worker: its LM head's weight, and its logits of 5 bf16 hidden states."""
+    model = worker.get_model()
+    h = torch.randn(5, model.lm_head.weight.shape[1], generator=torch.Generator().manual_seed(0)).bfloat16()
+    return model.lm_head.weight.detach().clone(), h, model.compute_logits(h)
+
+
+def test_an_untied_head_is_float32_in_vllm_as_in_the_trainer(tiny):
+    """With a bf16 body, vLLM's LM head holds the trainer's fp32 weight bit for bit, first load and in-flight updates,
+    and its logits are the trainer's h.float() @ W.T exactly (Sec. 3.2). vLLM's own head_dtype override would keep the
+    weight in bf16 (ParallelLMHead: the model dtype) and round it on every load."""
+    model, tok, cfg = tiny
+    eng = vllm_engine(model, tok, cfg, dtype="bfloat16")
+    head = model.lm_head.weight.detach()
+    for version in (0, 1):
+        if version:  # an in-flight update of the head alone
+            head = head + 1e-3 * torch.randn(head.shape, generator=torch.Generator().manual_seed(1))
+            eng.load_weights({"lm_head.weight": head}, version)
+        weight, h, logits = eng.llm.collective_rpc(head_in_worker)[0]
+        assert weight.dtype == torch.float32 and torch.equal(weight[:len(head)], head)  # vLLM pads the vocabulary
+        assert torch.equal(logits[:, :len(head)], losses.head_logits(h, head))
+        assert not torch.equal(head.bfloat16().float(), head)  # what bf16 storage would have lost
+    assert eng.model.get_parameter("model.norm.weight").dtype == torch.bfloat16  # the body is bf16
+
+
 def test_same_seed_same_samples(tiny):
     model, tok, cfg = tiny
     a, b = (vllm_engine(model, tok, cfg, seed=5).generate(templates(tok, 4), 4) for _ in range(2))
