@@ -90,7 +90,32 @@ def start(cfg):
         for key, n in (("version", ckpt["version"]), ("admitted", admitted), ("dropped", ckpt["stale"])):
             dist.counter(job, key, n)
     resume = {k: ckpt.get(k) for k in ("step", "version", "stale", "shards", "shards_opt")} if ckpt else None
-    return job, ckpt, dist.share(job, resume, everyone=True)
+    resume = dist.share(job, resume, everyone=True)
+    if job.world > 1:
+        shared_run_dir(cfg, job)
+    return job, ckpt, resume
+
+
+def shared_run_dir(cfg, job):
+    """Every trainer rank writes its checkpoint shard into --out_dir, and a resume reads them all: it must be one folder
+    for the whole job (on several nodes, a shared filesystem). Rank 0 leaves a mark there; every rank looks for it."""
+    mark = f".shared-{os.getpid()}-{time.time_ns()}"
+    if job.rank == 0:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        open(os.path.join(cfg.out_dir, mark), "w").close()
+    mark = dist.share(job, mark, everyone=True)
+    seen = [None] * job.world
+    with dist.waiting_for(job, "every rank's view of the run directory"):
+        torch.distributed.all_gather_object(seen, os.path.exists(os.path.join(cfg.out_dir, mark)))
+    if job.rank == 0:
+        os.remove(os.path.join(cfg.out_dir, mark))
+    blind = [r for r in job.trainers if not seen[r]]
+    if blind and job.rank == 0:
+        fail(f"trainer ranks {blind} do not see rank 0's run directory {cfg.out_dir} (a file rank 0 wrote there is "
+             "missing on theirs); each trainer rank writes its checkpoint shard there and --resume reads them all: "
+             "put --out_dir on a filesystem every node shares")
+    if blind:
+        raise SystemExit(2)  # rank 0 says why
 
 
 def place(cfg, job, model, ckpt, resume):

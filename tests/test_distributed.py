@@ -158,6 +158,40 @@ def test_a_batch_without_signal_makes_no_update():
 SMOKE = ["scalerl.py", "--config", "smoke", "--threads=1"]
 
 
+def test_a_generator_visits_the_store_on_a_timer_not_every_engine_step(monkeypatch):
+    """run_generator reads the job's TCPStore (stop, version, dropped, held-out requests) and adds its counts every
+    dist.POLL_S, not at every engine step (64 generators made some 15k requests a second); the counts still add up
+    to the tokens it generated. A real TCPStore and engine; trainer rank 0 is this test, which says stop after 2 s."""
+    from datetime import timedelta
+    import data
+    import pipeline_rl
+    from infra.run import make_engine
+    store = torch.distributed.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=30))
+    calls = []
+
+    class Counted:  # the store, each request counted
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(store, name)
+    job = dist.Dist(rank=1, world=2, trainers=[0], generators=[1], timeout=30.0, store=Counted())
+    sent = []
+    monkeypatch.setattr(dist, "send_groups", lambda job, msg: sent.append(msg))  # the transport is not under test
+    tok = data.char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=")
+    cfg = scalerl.Config(slots=8, think_min=8, think_max=12, answer_budget=5, max_prompt=64)
+    engine = make_engine(cfg, trainer.tiny_model(cfg, len(tok)), tok, 0)
+    rollouts = pipeline_rl.Rollouts(engine, pipeline_rl.PromptPool(data.arith_problems(40), seed=0), tok, 64)
+    __import__("threading").Timer(2.0, lambda: store.add("stop", 1)).start()
+    t = time.time()
+    dist.run_generator(job, rollouts, mode="pipeline", k=8, batch_prompts=4, group_size=2, state_path="/nonexistent",
+                       save_every=10 ** 9, bucket_bytes=1 << 20, evaluate=None)
+    polls, steps, admitted = (time.time() - t) / dist.POLL_S + 1, engine.stats["decode_steps"], store.add("admitted", 0)
+    assert steps > 10 and sum(len(m[0]) for m in sent if m) > 4 and None in sent  # it generated, sent, said it stopped
+    assert store.add("gen_tokens", 0) == engine.stats["tokens"]  # its counts were flushed before it stopped
+    # 6 requests a poll, and one per group it admitted (measured: 163 in 2 s, over 115 engine steps and 37 groups;
+    # a request per counter per step made 6 a step, 690 here)
+    assert len(calls) <= 6 * polls + admitted, (len(calls), polls, steps, admitted)
+
+
 @pytest.mark.slow
 def test_two_ranks_smoke(runs):
     out = runs / "two"
@@ -278,6 +312,31 @@ def test_two_nodes_train_together_then_a_killed_rank_ends_the_job(runs):
     assert elapsed < 60, elapsed
     line = [x for x in trainer_log.splitlines() if x.startswith("error: trainer rank 0")]
     assert line and "generator rank" in line[0] and "1" in line[0], trainer_log[-3000:]
+
+
+@pytest.mark.slow
+def test_trainer_ranks_that_do_not_share_the_run_directory_are_refused(runs):
+    """Two launches (nodes) in different working directories with a relative --out_dir: the trainer ranks on the second
+    do not see the folder rank 0 writes, so checkpoint shards would scatter; the job stops at start in one line."""
+    port, cwds = free_port(), [runs / "node-a", runs / "node-b"]
+    script = os.path.join(ROOT, "scalerl.py")
+    procs = []
+    for i, cwd in enumerate(cwds):
+        cwd.mkdir()
+        cmd = torchrun("--nnodes=2", f"--node_rank={i}", "--nproc_per_node=2", "--rdzv_backend=c10d",
+                       f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=scalerl-shared", script, *SMOKE[1:],
+                       "--out_dir=run", "--gen_ranks=1")
+        procs.append(subprocess.Popen(cmd, cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode != 0 for p in procs)
+    line = [x for log in logs for x in log.splitlines() if x.startswith("error: rank 0: trainer ranks")]
+    assert line and "do not see rank 0's run directory run" in line[0] and "filesystem every node shares" in line[0]
+    assert not any(".shared-" in f for cwd in cwds if (cwd / "run").exists() for f in os.listdir(cwd / "run"))
 
 
 @pytest.mark.slow
