@@ -71,8 +71,8 @@ def dist_init(gen_ranks=0, timeout=60.0, gen_share=0.5):
     box = [gen_ranks]
     dist.broadcast_object_list(box, src=0)
     trainers, generators = roles(world, box[0], gen_share)
-    t = timedelta(seconds=timeout)
-    groups = dict(trainer=dist.new_group(trainers, timeout=t), weights=dist.new_group([0] + generators, timeout=t))
+    t, late = timedelta(seconds=timeout), timedelta(seconds=timeout + 60)  # late: NCCL's watchdog, after ours
+    groups = dict(trainer=dist.new_group(trainers, timeout=late), weights=dist.new_group([0] + generators, timeout=late))
     for rank in generators:  # pickled rollouts are CPU bytes: gloo even where weights go over NCCL
         groups[rank] = dist.new_group([0, rank], timeout=t, backend="gloo")
     store = dist.distributed_c10d._get_default_store()
@@ -102,12 +102,23 @@ def leave():
 
 
 @contextlib.contextmanager
-def waiting_for(job, what):
-    """A time-out or a lost peer in the block (torch raises RuntimeError for both) ends the process: `die`."""
+def waiting_for(job, what, bound=False):
+    """A time-out or a lost peer in the block (torch raises RuntimeError for both) ends the process: `die`. `bound`, for
+    a block that only waits (the weight broadcasts): so does lasting past --dist_timeout. A hung NCCL collective raises
+    nothing on the host, which waits until NCCL's watchdog aborts the process without a word on what it waited for
+    (its groups' watchdogs wait 60 s longer, so this line comes first). The gradients' collectives are left to that
+    watchdog: a bound on their block would count the backward's compute too."""
+    timer = threading.Timer(job.timeout, gave_up, (job, what)) if bound else None
+    if timer:
+        timer.daemon = True
+        timer.start()
     try:
         yield
     except RuntimeError as e:
         die(f"{job.name} gave up waiting for {what}: {first_line(e)}")
+    finally:
+        if timer:
+            timer.cancel()
 
 
 def gave_up(job, what, why=""):
@@ -238,6 +249,7 @@ class TrainerLink(BatchSource):
                 x.copy_(t.reshape(-1))
             self._land()
             self.pending = dist.broadcast(flat, src=0, group=self.job.groups["weights"], async_op=True)
+        self._land()  # sync_s ends once every generator holds the weights, not when the last broadcast is queued
 
     def ask_eval(self, version, seed, row):
         """Trainer rank 0: ask the generator ranks for the held-out pass rate of `version`, to log with `row`."""
@@ -263,8 +275,8 @@ class TrainerLink(BatchSource):
 
     def _land(self):
         if self.pending is not None:
-            with waiting_for(self.job, f"generator ranks {self.job.generators} to take the last weight broadcast"):
-                self.pending.wait()
+            with waiting_for(self.job, f"generator ranks {self.job.generators} to take the weights", bound=True):
+                self.pending.wait(timedelta(seconds=self.job.timeout))  # on NCCL: the host waits for the device
             self.pending = None
 
     def totals(self):
@@ -291,8 +303,8 @@ def receive_weights(job, engine, version, bucket_bytes, take=True, bufs=None):
     in_place, bufs = take and hasattr(engine, "landing"), {} if bufs is None else bufs
     for run in buckets(((n, p, p.dtype) for n, p in engine.model.named_parameters()), bucket_bytes):
         flat, parts = (engine.landing(run), None) if in_place else new_bucket(run, engine.device, bufs)
-        with waiting_for(job, f"policy version {version} from trainer rank 0"):
-            dist.broadcast(flat, src=0, group=job.groups["weights"])
+        with waiting_for(job, f"policy version {version} from trainer rank 0", bound=True):
+            dist.broadcast(flat, src=0, group=job.groups["weights"], async_op=True).wait(timedelta(seconds=job.timeout))
         if in_place:
             engine.version = version
         elif take:

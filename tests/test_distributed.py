@@ -158,6 +158,17 @@ def test_a_batch_without_signal_makes_no_update():
 SMOKE = ["scalerl.py", "--config", "smoke", "--threads=1"]
 
 
+def test_a_wait_on_the_weights_that_hangs_ends_in_one_line():
+    """A hung NCCL broadcast raises nothing: the host just waits (until NCCL's watchdog aborts, 60 s after
+    --dist_timeout, naming no wait). A bounded wait ends the process at --dist_timeout, naming what it waited for."""
+    code = ("import time\nfrom infra import dist\njob = dist.Dist(rank=1, world=2, generators=[1], timeout=1.0)\n"
+            "with dist.waiting_for(job, 'policy version 3 from trainer rank 0', bound=True):\n    time.sleep(60)")
+    t = time.time()
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
+    assert time.time() - t < 30 and p.returncode == 1
+    assert p.stderr.strip() == "error: generator rank 1 gave up waiting for policy version 3 from trainer rank 0 after 1 s"
+
+
 def test_a_generator_visits_the_store_on_a_timer_not_every_engine_step(monkeypatch):
     """run_generator reads the job's TCPStore (stop, version, dropped, held-out requests) and adds its counts every
     dist.POLL_S, not at every engine step (64 generators made some 15k requests a second); the counts still add up
