@@ -11,13 +11,15 @@ releases). Every vLLM call of the project is here; vllm is imported when an engi
   - No request submitted after an update starts from KV computed before it: prefix caching is on, every request salted
     with its policy version, which enters every block's hash (vLLM 0.32 resets that cache only with none running).
   - Under torchrun (`child`) the engine core is a child process on the rank's GPU, outside the job's torch.distributed
-    world; a bucket reaches it as one message of bytes (msgpack's limit: 4 GiB). It steps ahead of our `step()`: a
-    load pauses it (requests and KV kept) until the next `step()`; each token records the version that sampled it.
+    world; a bucket reaches it as CUDA IPC handles on a GPU (the child copies on the device), else as one message of
+    bytes (msgpack's limit: 4 GiB). It steps ahead of our `step()`: a load pauses it (requests and KV kept) until the
+    next `step()`; each token records the version that sampled it.
   - vLLM's start-up leaves this process's CUDA_VISIBLE_DEVICES, RNG states and torch threads as they were.
 """
 import copy
 import io
 import os
+import pickle
 import random
 import sys
 import tempfile
@@ -35,6 +37,19 @@ def load_in_worker(worker, pairs):
     if isinstance(pairs, bytes):
         pairs = torch.load(io.BytesIO(pairs), weights_only=True)
     worker.reload_weights(weights_iterator=pairs)
+
+
+def load_ipc_in_worker(worker, handles):
+    """Runs in vLLM's worker, a child on its parent's GPU: (name, CUDA IPC handle) pairs of the parent's tensors
+    (torch/multiprocessing/reductions.py:153, rebuild_cuda_tensor), loaded in place as `load_in_worker` does."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+    pairs = []
+    for name, args in pickle.loads(handles):
+        args = list(args)
+        args[6] = torch.cuda.current_device()  # the device index: the child sees this GPU alone, as device 0
+        pairs.append((name, rebuild_cuda_tensor(*args)))
+    worker.reload_weights(weights_iterator=pairs)  # a layer is processed once all its tensors are in: all, by now
+    torch.cuda.synchronize()  # every copy out of the parent's memory is done before the parent reuses it
 
 
 def fp32_head_in_worker(worker):
@@ -175,7 +190,18 @@ class VLLMEngine(Engine):
             self.llm.engine_core.call_utility("pause_scheduler", "keep", False)
             self.paused = True
         for run in buckets(((n, t, self.model.get_parameter(n).dtype) for n, t in named), self.bucket_bytes):
-            # to a child: copies on the CPU (a view would save all of its storage), sent as bytes, not tensors in a list
+            if self.child and self.device.type == "cuda":
+                # a child on this GPU: CUDA IPC handles of the bucket (views of the receive buffer, or the CPU copy's
+                # tensors cast onto the GPU), a message of a few hundred bytes; the child copies on the device
+                from torch.multiprocessing.reductions import reduce_tensor
+                pairs = [(n, t.detach().to(self.device, dtype)) for n, t, dtype in run]
+                torch.cuda.current_stream().synchronize()  # the broadcast into them, or the copies, have landed
+                handles = pickle.dumps([(n, reduce_tensor(t)[1]) for n, t in pairs])
+                self.llm.collective_rpc(load_ipc_in_worker, args=(handles,))
+                del pairs
+                torch.cuda.ipc_collect()  # this bucket's copies, once the child has let them go
+                continue
+            # to a child on the CPU: copies (a view would save all of its storage), as bytes, not tensors in a list
             where = "cpu" if self.child else None
             pairs = [(n, t.detach().to(where or t.device, dtype, copy=self.child)) for n, t, dtype in run]
             if self.child:

@@ -109,3 +109,31 @@ def test_a_few_steps_on_the_gpu(tmp_path):
     # a step whose groups all got one reward trains nothing (no signal): some step must have trained
     assert [r["step"] for r in train] == [1, 2, 3, 4] and any(r["train_tokens"] > 0 for r in train)
     print("\n" + "\n".join(line for line in p.stdout.splitlines() if line.startswith("step")))
+
+
+def test_a_bucket_reaches_a_child_on_the_same_gpu_by_cuda_ipc():
+    """The vLLM child engine's load path (infra.vllm_engine.load_ipc_in_worker) without vLLM, which the GPU machine
+    lacks: a child process that sees only this GPU rebuilds the parent's tensors (views into one receive buffer, as
+    infra.dist.receive_weights gives them) from their CUDA IPC handles, device index rewritten, and reads them exact."""
+    import os
+    import pickle
+    import subprocess
+    import sys
+    from torch.multiprocessing.reductions import reduce_tensor
+    from conftest import ENV, ROOT
+    flat = torch.randn(3 * 64 * 32, device="cuda").bfloat16()
+    parts = {"a.weight": flat[:2048].view(64, 32), "b.weight": flat[2048:4096].view(64, 32), "c.bias": flat[4096:4160]}
+    handles = pickle.dumps([(n, reduce_tensor(t)[1]) for n, t in parts.items()])
+    child = ("import pickle, sys, types\nfrom infra.vllm_engine import load_ipc_in_worker\ngot = {}\n"
+             "w = types.SimpleNamespace(reload_weights=lambda weights_iterator: got.update("
+             "{n: (t.device.index, t.cpu()) for n, t in weights_iterator}))\n"
+             "load_ipc_in_worker(w, sys.stdin.buffer.read())\nsys.stdout.buffer.write(pickle.dumps(got))")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))
+    env = {**ENV, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": visible.split(",")[torch.cuda.current_device()]}
+    p = subprocess.run([sys.executable, "-c", child], input=handles, capture_output=True, env=env, cwd=ROOT,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr.decode()[-2000:]
+    got = pickle.loads(p.stdout)
+    assert set(got) == set(parts)
+    for n, t in parts.items():
+        assert got[n][0] == 0 and torch.equal(got[n][1], t.cpu())  # the child's only device, the parent's values
