@@ -13,7 +13,8 @@ releases). Every vLLM call of the project is here; vllm is imported when an engi
   - Under torchrun (`child`) the engine core is a child process on the rank's GPU, outside the job's torch.distributed
     world; a bucket reaches it as CUDA IPC handles on a GPU (the child copies on the device), else as one message of
     bytes (msgpack's limit: 4 GiB). It steps ahead of our `step()`: a load pauses it (requests and KV kept) until the
-    next `step()`; each token records the version that sampled it.
+    next `step()`; each token records the version that sampled it. It leaves the worker's process group (torchrun's
+    SIGTERM reaches that group) and dies with its parent (core_in_own_group).
   - vLLM's start-up leaves this process's CUDA_VISIBLE_DEVICES, RNG states and torch threads as they were.
 """
 import copy
@@ -50,6 +51,26 @@ def load_ipc_in_worker(worker, handles):
         pairs.append((name, rebuild_cuda_tensor(*args)))
     worker.reload_weights(weights_iterator=pairs)  # a layer is processed once all its tensors are in: all, by now
     torch.cuda.synchronize()  # every copy out of the parent's memory is done before the parent reuses it
+
+
+def core_in_own_group(*args, **kwargs):
+    """vLLM's engine core process (the target it starts, vllm/v1/engine/utils.py:283), its workers with it, out of the
+    torchrun worker's process group: torchrun stops a worker by signalling that whole group
+    (torch/distributed/elastic/multiprocessing/subprocess_handler/subprocess_handler.py:85, os.killpg), and a preempted
+    generator rank must generate on until the trainers have checkpointed. It dies with its parent however that ends
+    (PR_SET_PDEATHSIG), never outliving it on the GPU."""
+    import ctypes
+    import multiprocessing
+    import signal
+    from vllm.v1.engine.core import EngineCoreProc
+    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    if os.getppid() != multiprocessing.parent_process().pid:  # the parent died before that
+        os._exit(1)
+    os.setpgid(0, 0)
+    return (_RUN_CORE or [EngineCoreProc.run_engine_core])[0](*args, **kwargs)  # spawned: vLLM's own, unpatched
+
+
+_RUN_CORE = []  # vLLM's run_engine_core while start_vllm replaces it (a forked core inherits the replacement)
 
 
 def fp32_head_in_worker(worker):
@@ -94,10 +115,16 @@ def start_vllm(child, **args):
         ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
         os.environ["CUDA_VISIBLE_DEVICES"] = ids[int(os.environ.get("LOCAL_RANK", 0))]
     from vllm import EngineArgs, LLMEngine, envs
+    from vllm.v1.engine.core import EngineCoreProc
     envs.disable_envs_cache()  # an engine core in this process froze vLLM's view of the variables set above
+    if child:
+        _RUN_CORE.append(EngineCoreProc.run_engine_core)
+        EngineCoreProc.run_engine_core = staticmethod(core_in_own_group)
     try:
         return LLMEngine.from_engine_args(EngineArgs(**args))
     finally:
+        if _RUN_CORE:
+            EngineCoreProc.run_engine_core = staticmethod(_RUN_CORE.pop())
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         if visible is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible

@@ -209,6 +209,13 @@ def plan(cfg):
     out.append(f"  model {sizes(cfg, shape)[0] / 1e9:.2f}B parameters ({L} layers, hidden {H}, {nq}/{nkv} q/kv heads "
                f"x {hd}, vocab {V:,}{', tied' if tied else ''})")
     out += memory_lines(cfg, shape, world, T, seq, flight)
+    if world > 1:  # a preempted run finishes its step, then every trainer rank writes its shard (infra/rundir.py)
+        P = sizes(cfg, shape)[0]
+        out.append(f"  preemption: a checkpoint is {16 * P / 1e9:.0f} GB (fp32 weights and AdamW's m, v), "
+                   f"{16 * P / T / 1e9:.1f} GB per trainer rank; give torchrun\n    --shutdown-timeout one step and "
+                   "that write (its default: 30 s, then SIGKILL), and\n    "
+                   "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 to forward SIGUSR1 (by default it kills "
+                   "torchrun itself)")
     if world > 1 and not trainers_fit(cfg, shape, world, T, seq):  # fewer generators, more trainer ranks to shard
         g = fitting_gen_ranks(cfg, world)
         out.append(f"  the trainer ranks do not fit: --gen_ranks={g} gives {world - g} trainer ranks, which do" if g

@@ -234,7 +234,8 @@ def test_child_process_engine_records_the_version_that_sampled_each_token(tiny, 
     sent, rpc = [], vllm.LLMEngine.collective_rpc
 
     def spy(llm, method, *args, **kwargs):  # the bytes of each bucket sent to the core
-        sent.append(sum(memoryview(b).nbytes for b in kwargs["args"]))
+        if getattr(method, "__name__", "") == "load_in_worker":
+            sent.append(sum(memoryview(b).nbytes for b in kwargs["args"]))
         return rpc(llm, method, *args, **kwargs)
     monkeypatch.setattr(vllm.LLMEngine, "collective_rpc", spy)
     init = VLLMEngine.__init__  # child=True: what a torchrun rank gets; 64 KB buckets, whatever the caller asks
@@ -375,19 +376,36 @@ def test_reward_rises_with_vllm_engine(tmp_path):
 
 
 @pytest.mark.slow
-def test_torchrun_generator_rank_on_vllm(tmp_path):
+def test_torchrun_generator_rank_on_vllm_through_a_preemption(tmp_path):
     """Under torchrun the vLLM engine core runs in a child process of its rank (a second torch.distributed world
-    cannot live in the rank's own process); weights reach it in flight after every optimizer step."""
+    cannot live in the rank's own process); weights reach it in flight after every optimizer step. torchrun's SIGTERM
+    reaches each worker's process group: the engine core has left it, so the generator serves the trainer until it
+    has checkpointed (without that, the core died at once and trainer rank 0 lost its generator mid-step); --resume
+    then logs every step once."""
+    import os
+    import signal
+    import subprocess
+    from conftest import ENV, ROOT
     out = tmp_path / "run"
     cmd = torchrun_command("--standalone", "--nproc_per_node=2", "scalerl.py", "--config=smoke", "--threads=1",
-                           "--engine=vllm", f"--out_dir={out}", "--max_steps=6", "--eval_every=3",
+                           "--engine=vllm", f"--out_dir={out}", "--max_steps=8", "--eval_every=3", "--ckpt_every=100",
                            "--zero_var_filter=false")
-    p = run_command(cmd, timeout=1500, env=dict(OMP_NUM_THREADS="1"))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**ENV, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    t_end = time.time() + 900
+    while proc.poll() is None and time.time() < t_end and not (
+            (out / "metrics.jsonl").exists() and sum("reward" in r for r in read_jsonl(out / "metrics.jsonl",
+                                                                                       torn_ok=True)) >= 2):
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGTERM)  # as a scheduler does: torchrun then signals each worker's process group
+    stdout, stderr = proc.communicate(timeout=600)
+    step = torch.load(out / "ckpt.pt", weights_only=True)["step"]
+    assert 2 <= step < 8 and f"stopped by SIGTERM at step {step}" in stdout, stdout[-2000:] + stderr[-3000:]
+    assert "generator ranks [1]" in stdout and "engine vllm" in stdout
+    p = run_command(cmd + ["--resume"], timeout=1500, env=dict(OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    assert "generator ranks [1]" in p.stdout and "engine vllm" in p.stdout
-    rows = read_jsonl(out / "metrics.jsonl")
-    train = [r for r in rows if "reward" in r]
-    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6] and sum(r["gen_tok_s"] for r in train) > 0
+    train = [r for r in read_jsonl(out / "metrics.jsonl") if "reward" in r]
+    assert [r["step"] for r in train] == list(range(1, 9)) and sum(r["gen_tok_s"] for r in train) > 0
     assert all(r["policy_version"] == r["step"] and r["lag_max"] <= 2 for r in train)
     assert any(r["lag_max"] >= 1 for r in train)  # the generator went on while the trainer stepped
 
@@ -438,7 +456,8 @@ def test_a_bucket_crosses_vllms_rpc_as_bytes_and_arrives_exact():
             wire = MsgpackEncoder().encode(args)
             sent.append(sum(memoryview(b).nbytes for b in wire))
             run_method(Worker(), method, MsgpackDecoder().decode(wire), {})
-    eng, sent = SimpleNamespace(child=True, paused=True, model=model, bucket_bytes=64 << 10, llm=LLM()), []
+    eng, sent = SimpleNamespace(child=True, paused=True, model=model, bucket_bytes=64 << 10, llm=LLM(),
+                                device=torch.device("cpu")), []
     VLLMEngine.load_weights(eng, model, 1)
     runs = list(buckets(((n, p, p.dtype) for n, p in model.named_parameters()), 64 << 10))
     assert [[n for n, _ in b] for b in got] == [[n for n, _, _ in r] for r in runs] and len(got) >= 5
