@@ -72,7 +72,8 @@ def dist_init(gen_ranks=0, timeout=60.0, gen_share=0.5):
     dist.broadcast_object_list(box, src=0)
     trainers, generators = roles(world, box[0], gen_share)
     t, late = timedelta(seconds=timeout), timedelta(seconds=timeout + 60)  # late: NCCL's watchdog, after ours
-    groups = dict(trainer=dist.new_group(trainers, timeout=late), weights=dist.new_group([0] + generators, timeout=late))
+    groups = dict(trainer=dist.new_group(trainers, timeout=late),
+                  weights=dist.new_group([0] + generators, timeout=late))
     for rank in generators:  # pickled rollouts are CPU bytes: gloo even where weights go over NCCL
         groups[rank] = dist.new_group([0, rank], timeout=t, backend="gloo")
     store = dist.distributed_c10d._get_default_store()
@@ -276,7 +277,7 @@ class TrainerLink(BatchSource):
     def _land(self):
         if self.pending is not None:
             with waiting_for(self.job, f"generator ranks {self.job.generators} to take the weights", bound=True):
-                self.pending.wait(timedelta(seconds=self.job.timeout))  # on NCCL: the host waits for the device
+                self.pending.wait(timedelta(seconds=self.job.timeout + 30))  # NCCL: the host waits on the device
             self.pending = None
 
     def totals(self):
@@ -304,7 +305,9 @@ def receive_weights(job, engine, version, bucket_bytes, take=True, bufs=None):
     for run in buckets(((n, p, p.dtype) for n, p in engine.model.named_parameters()), bucket_bytes):
         flat, parts = (engine.landing(run), None) if in_place else new_bucket(run, engine.device, bufs)
         with waiting_for(job, f"policy version {version} from trainer rank 0", bound=True):
-            dist.broadcast(flat, src=0, group=job.groups["weights"], async_op=True).wait(timedelta(seconds=job.timeout))
+            # a time-out of its own, so the host waits for the device; past --dist_timeout the bound speaks first
+            dist.broadcast(flat, src=0, group=job.groups["weights"], async_op=True).wait(
+                timedelta(seconds=job.timeout + 30))
         if in_place:
             engine.version = version
         elif take:
@@ -327,8 +330,9 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
         if poll:
             polled = time.time()
             for key, n in counts.items():
-                counter(job, key, n)
-                counts[key] = 0
+                if n:
+                    counter(job, key, n)
+                    counts[key] = 0
             stop = counter(job, "stop")  # before the version: every broadcast published before the stop is received
             dropped = counter(job, "dropped")
         # the last version received, then the new ones: each one's held-out pass rate if trainer rank 0 asked for it

@@ -97,8 +97,9 @@ def start(cfg):
 
 
 def shared_run_dir(cfg, job):
-    """Every trainer rank writes its checkpoint shard into --out_dir, and a resume reads them all: it must be one folder
-    for the whole job (on several nodes, a shared filesystem). Rank 0 leaves a mark there; every rank looks for it."""
+    """Every trainer rank writes its checkpoint shard into --out_dir, every generator rank its curriculum, and a resume
+    reads them all: it must be one folder for the whole job (on several nodes, a shared filesystem). Rank 0 leaves a
+    mark there; every rank looks for it."""
     mark = f".shared-{os.getpid()}-{time.time_ns()}"
     if job.rank == 0:
         os.makedirs(cfg.out_dir, exist_ok=True)
@@ -109,11 +110,11 @@ def shared_run_dir(cfg, job):
         torch.distributed.all_gather_object(seen, os.path.exists(os.path.join(cfg.out_dir, mark)))
     if job.rank == 0:
         os.remove(os.path.join(cfg.out_dir, mark))
-    blind = [r for r in job.trainers if not seen[r]]
+    blind = [r for r in range(job.world) if not seen[r]]
     if blind and job.rank == 0:
-        fail(f"trainer ranks {blind} do not see rank 0's run directory {cfg.out_dir} (a file rank 0 wrote there is "
-             "missing on theirs); each trainer rank writes its checkpoint shard there and --resume reads them all: "
-             "put --out_dir on a filesystem every node shares")
+        fail(f"ranks {blind} do not see rank 0's run directory {cfg.out_dir} (a file rank 0 wrote there is missing on "
+             "theirs); each trainer rank writes its checkpoint shard there, each generator rank its curriculum, and "
+             "--resume reads them all: put --out_dir on a filesystem every node shares")
     if blind:
         raise SystemExit(2)  # rank 0 says why
 

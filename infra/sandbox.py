@@ -3,13 +3,13 @@
 `check_program` never raises and passes a program only if every test's output matches. Each runs in a fresh
 `python -I -S` with an empty environment in a temporary directory, removed after, in network, PID and IPC namespaces
 of its own (no network; signals reach only the check's own processes; whatever it leaves running, and any SysV IPC
-object it made, dies with the check), as root under a uid of its own whose kernel keys are cleared after. Landlock,
-where the kernel has it, keeps every system call from writing a file or reading one outside the standard library.
-Past `time_limit` seconds per test the check is killed. Limits: 512 MB of address space a process, at most 3
-processes or threads a program (1.5 GB a check), output, file size, open files. Without namespaces code tasks are
-refused (`sandbox_mode` is None, and `sandbox_description` says how to enable them). The audit hook inside makes
-ordinary attempts (files, sockets, subprocesses, signals) fail at once; it is a tripwire, not a boundary (PEP 578: a
-program can switch it off).
+object it made, dies with the check), with a session keyring of its own, as root under a uid of its own whose kernel
+keys are cleared after. Landlock, where the kernel has it, keeps every system call from writing a file or reading
+one outside the standard library. Past `time_limit` seconds per test the check is killed. Limits: 512 MB of address
+space a process, at most 3 processes or threads a program (1.5 GB a check), output, file size, open files. Without
+namespaces code tasks are refused (`sandbox_mode` is None, and `sandbox_description` says how to enable them). The
+audit hook inside makes ordinary attempts (files, sockets, subprocesses, signals) fail at once; it is a tripwire,
+not a boundary (PEP 578: a program can switch it off).
 """
 import contextlib
 import functools
@@ -125,7 +125,7 @@ def _run_tests(program, tests, time_limit, mode):
         # interpreter, then the program's processes and threads; so the check's memory is bounded as a whole
         nproc = 1 + _TASKS + (not own_uid)
         fds = [f.fileno() for f in files]
-        limits = [_MEMORY, _OUTPUT + 1, nproc, uid, int(landlock)]
+        limits = [_MEMORY, _OUTPUT + 1, nproc, uid, int(landlock), _KEYCTL or 0]
         args = [sys.executable, "-I", "-S", "-c", _BOOT, *map(str, limits + fds)]
         proc = cleanup.enter_context(subprocess.Popen(
             namespaces + args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -146,7 +146,7 @@ def _run_tests(program, tests, time_limit, mode):
 # The interpreter: limits, Landlock, as root its own uid, the audit hook; then a child per test, exit code on stdout.
 _BOOT = r"""# scalerl sandbox
 import os, resource as R, sys
-mem, fsize, nproc, uid, landlock, *fds = map(int, sys.argv[1:])
+mem, fsize, nproc, uid, landlock, keyctl, *fds = map(int, sys.argv[1:])
 for k, v in ((R.RLIMIT_AS, mem), (R.RLIMIT_FSIZE, fsize), (R.RLIMIT_NPROC, nproc), (R.RLIMIT_CORE, 0),
              (R.RLIMIT_NOFILE, 64)):
     R.setrlimit(k, (v, v))
@@ -166,6 +166,12 @@ if landlock:  # system calls 444-446: landlock_create_ruleset, landlock_add_rule
     os.close(ruleset)
     os.close(lib)
     del ctypes, struct, libc, abi, access, ruleset, lib, rule
+    for m in ("ctypes", "ctypes._endian", "_ctypes"):
+        sys.modules.pop(m, None)
+if keyctl:  # a session keyring of its own (KEYCTL_JOIN_SESSION_KEYRING): not the run's, and gone with the check
+    import ctypes
+    ctypes.CDLL(None).syscall(keyctl, 1, None)
+    del ctypes
     for m in ("ctypes", "ctypes._endian", "_ctypes"):
         sys.modules.pop(m, None)
 if uid >= 0:
@@ -234,7 +240,8 @@ os.setresgid(uid, uid, uid)
 os.setresuid(uid, uid, uid)
 # KEYCTL_GET_KEYRING_ID of @u and @us (ids first: a lookup by name would make them again), KEYCTL_GET_PERSISTENT
 for ring in (keyctl(0, -4, 0), keyctl(0, -5, 0), keyctl(22, -1, -2)):
-    keyctl(7, ring), keyctl(21, ring)  # KEYCTL_CLEAR, KEYCTL_INVALIDATE
+    if ring > 0:
+        keyctl(7, ring), keyctl(21, ring)  # KEYCTL_CLEAR, KEYCTL_INVALIDATE
 """
 
 

@@ -19,6 +19,7 @@ releases). Every vLLM call of the project is here; vllm is imported when an engi
 """
 import copy
 import io
+import math
 import os
 import pickle
 import random
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from engine import Engine
-from infra.dist import buckets
+from infra.dist import buckets, new_bucket
 
 
 def load_in_worker(worker, pairs):
@@ -40,17 +41,28 @@ def load_in_worker(worker, pairs):
     worker.reload_weights(weights_iterator=pairs)
 
 
-def load_ipc_in_worker(worker, handles):
-    """Runs in vLLM's worker, a child on its parent's GPU: (name, CUDA IPC handle) pairs of the parent's tensors
-    (torch/multiprocessing/reductions.py:153, rebuild_cuda_tensor), loaded in place as `load_in_worker` does."""
+def ipc_bucket(run, device):
+    """A bucket (a run of `buckets`) copied into one fresh tensor on this GPU, and its CUDA IPC message for a child on
+    the same GPU (torch/multiprocessing/reductions.py:221, reduce_tensor). Fresh, shared once, freed after the load:
+    sharing the long-lived receive buffer at every update would nest torch's record of the share, once per share."""
+    from torch.multiprocessing.reductions import reduce_tensor
+    flat, parts = new_bucket(run, device, {})
+    for x, (_, t, _) in zip(parts, run):
+        x.copy_(t.detach().reshape(-1))
+    torch.cuda.current_stream().synchronize()  # the broadcast into the sources, and these copies, have landed
+    return flat, pickle.dumps((reduce_tensor(flat)[1], [(n, tuple(t.shape)) for n, t, _ in run]))
+
+
+def load_ipc_in_worker(worker, message):
+    """Runs in vLLM's worker, a child on its parent's GPU: an `ipc_bucket` message, loaded as `load_in_worker` does."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
-    pairs = []
-    for name, args in pickle.loads(handles):
-        args = list(args)
-        args[6] = torch.cuda.current_device()  # the device index: the child sees this GPU alone, as device 0
-        pairs.append((name, rebuild_cuda_tensor(*args)))
+    args, layout = pickle.loads(message)
+    args = list(args)
+    args[6] = torch.cuda.current_device()  # the device index: the child sees this GPU alone, as device 0
+    flat = rebuild_cuda_tensor(*args)
+    pairs = [(n, x.view(shape)) for (n, shape), x in zip(layout, flat.split([math.prod(s) for _, s in layout]))]
     worker.reload_weights(weights_iterator=pairs)  # a layer is processed once all its tensors are in: all, by now
-    torch.cuda.synchronize()  # every copy out of the parent's memory is done before the parent reuses it
+    torch.cuda.synchronize()  # every copy out of the parent's memory is done before the parent frees it
 
 
 def core_in_own_group(*args, **kwargs):
@@ -93,7 +105,8 @@ def fp32_head_in_worker(worker):
     get_layerwise_info(head).restore_metadata = capture_layer_to_meta(head)
     # logits_processor.py `_apply_head` on CUDA would call torch.mm(bf16, fp32, out_dtype=fp32), which refuses mixed
     # operands: this instance's own, h.float() @ W.T as the trainer's head (losses.head_logits). compute_logits runs
-    # after the captured forward (v1/worker/gpu_model_runner.py:4242), so CUDA graphs never hold the old weight
+    # after the captured forward (v1/worker/gpu_model_runner.py:4242; model runner V2, a GPU's default:
+    # v1/worker/gpu/model_runner.py:1615), so CUDA graphs never hold the old weight
     logits._apply_head = lambda lm_head, h, bias: torch.nn.functional.linear(
         h.float(), lm_head.weight, None if bias is None else bias.float())
     return True
@@ -218,15 +231,11 @@ class VLLMEngine(Engine):
             self.paused = True
         for run in buckets(((n, t, self.model.get_parameter(n).dtype) for n, t in named), self.bucket_bytes):
             if self.child and self.device.type == "cuda":
-                # a child on this GPU: CUDA IPC handles of the bucket (views of the receive buffer, or the CPU copy's
-                # tensors cast onto the GPU), a message of a few hundred bytes; the child copies on the device
-                from torch.multiprocessing.reductions import reduce_tensor
-                pairs = [(n, t.detach().to(self.device, dtype)) for n, t, dtype in run]
-                torch.cuda.current_stream().synchronize()  # the broadcast into them, or the copies, have landed
-                handles = pickle.dumps([(n, reduce_tensor(t)[1]) for n, t in pairs])
-                self.llm.collective_rpc(load_ipc_in_worker, args=(handles,))
-                del pairs
-                torch.cuda.ipc_collect()  # this bucket's copies, once the child has let them go
+                # a child on this GPU: the bucket by CUDA IPC, a message of a few hundred bytes; it copies on the device
+                flat, message = ipc_bucket(run, self.device)
+                self.llm.collective_rpc(load_ipc_in_worker, args=(message,))
+                del flat
+                torch.cuda.ipc_collect()  # the bucket's memory, once the child has let it go
                 continue
             # to a child on the CPU: copies (a view would save all of its storage), as bytes, not tensors in a list
             where = "cpu" if self.child else None

@@ -101,9 +101,10 @@ def sync_rows(cfg, shape, world):
     bucket = min(cfg.sync_bucket_mb * 2 ** 20, model)
     largest = max(shape[6] * shape[1], 3 * shape[1] * shape[2]) * b  # a gathered embedding, or a layer's MLP
     return {"trainer 0": {"weight-sync buffers": 2 * bucket + largest},
-            # a bucket holds whole units: the head (fp32 when untied, 2.49 GB at 8B) is one of its own
+            # a bucket holds whole units: the head (fp32 when untied, 2.49 GB at 8B) is one of its own; vLLM takes
+            # each from a fresh copy on the GPU (infra/vllm_engine.ipc_bucket), beside the receive buffer
             "generator": {"weight-sync buffers": max(bucket, shape[6] * shape[1] * (b if shape[7] else hb)) * (
-                cfg.engine == "vllm" or cfg.off_policy == "ppo")}}
+                2 if cfg.engine == "vllm" else cfg.off_policy == "ppo")}}
 
 
 def columns(cfg, shape, world, T, seq):
@@ -173,7 +174,8 @@ def memory_lines(cfg, shape, world, T, seq, flight):
             f"{flight}\n    completions in flight; vLLM pages the cache, queues the rest" if world > 1 and
             cfg.engine == "vllm" else f"each engine allocates --slots={cfg.slots}"),
         "  weight sync: " + (f"{cfg.sync_bucket_mb:,} MB buckets, two on trainer 0 (one packed, one in flight); a "
-                              "generator " + ("receives one at a time" if one_bucket
+                              "generator " + ("receives one at a time,\n    and copies it to hand it to vLLM"
+                                              if cfg.engine == "vllm" else "receives one at a time" if one_bucket
                                               else "receives them into its engine's parameters")
                               if world > 1 else "the engines load the gathered weights")]
 
@@ -211,8 +213,8 @@ def plan(cfg):
     out += memory_lines(cfg, shape, world, T, seq, flight)
     if world > 1:  # a preempted run finishes its step, then every trainer rank writes its shard (infra/rundir.py)
         P = sizes(cfg, shape)[0]
-        out.append(f"  preemption: a checkpoint is {16 * P / 1e9:.0f} GB (fp32 weights and AdamW's m, v), "
-                   f"{16 * P / T / 1e9:.1f} GB per trainer rank; give torchrun\n    --shutdown-timeout one step and "
+        out.append(f"  preemption: a checkpoint is {12 * P / 1e9:.0f} GB (fp32 weights and AdamW's m, v), "
+                   f"{12 * P / T / 1e9:.1f} GB per trainer rank; give torchrun\n    --shutdown-timeout one step and "
                    "that write (its default: 30 s, then SIGKILL), and\n    "
                    "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 to forward SIGUSR1 (by default it kills "
                    "torchrun itself)")

@@ -506,7 +506,8 @@ def test_correct_programs_that_import_the_usual_modules_pass():
 
 def test_kernel_keys_a_program_adds_are_gone_after_its_check(monkeypatch):
     """As root a check has no user namespace of its own, so keys a program adds to its uid's user, user-session and
-    persistent keyrings would outlive it: once the check is over, none of its uid's keys is left."""
+    persistent keyrings would outlive it, and keys in the session keyring it started with would live on in the run's:
+    once the check is over, none of its uid's keys is left."""
     mode = sandbox.sandbox_mode()
     if not mode or not mode[1]:
         pytest.skip("checks run as root under uids of their own only")
@@ -514,8 +515,9 @@ def test_kernel_keys_a_program_adds_are_gone_after_its_check(monkeypatch):
     monkeypatch.setattr(sandbox, "_BOOT", sandbox._BOOT.replace("sys.addaudithook(hook)\n", "").replace(
         "    os.setresuid(uid, uid, uid)\n", "    import ctypes\n    os.setresuid(uid, uid, uid)\n"))
     n = sandbox._KEYCTL
-    program = (f"import ctypes\nc = ctypes.CDLL(None).syscall\nring = c({n}, 22, -1, -4)\n"  # persistent, linked to @u
-               f"for k, dest in ((b'a', -4), (b'b', -5), (b'c', ring)):\n"  # add_key is keyctl's number less 2
+    # @u linked into its own session keyring first, so the persistent keyring (linked to @u) is its to write to
+    program = (f"import ctypes\nc = ctypes.CDLL(None).syscall\nc({n}, 8, -4, -3)\nring = c({n}, 22, -1, -4)\n"
+               f"for k, dest in ((b'a', -4), (b'b', -5), (b'c', ring), (b'd', -3)):\n"  # add_key: keyctl's less 2
                f"    assert c({n - 2}, b'user', k, b'x' * 500, 500, dest) > 0\nprint(int(input()) + 1)")
     base = 1_000_000 + os.getpid() % 4_000_000 * 64
 

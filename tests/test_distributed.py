@@ -327,8 +327,8 @@ def test_two_nodes_train_together_then_a_killed_rank_ends_the_job(runs):
 
 @pytest.mark.slow
 def test_trainer_ranks_that_do_not_share_the_run_directory_are_refused(runs):
-    """Two launches (nodes) in different working directories with a relative --out_dir: the trainer ranks on the second
-    do not see the folder rank 0 writes, so checkpoint shards would scatter; the job stops at start in one line."""
+    """Two launches (nodes) in different working directories with a relative --out_dir: the ranks on the second do not
+    see the folder rank 0 writes, so checkpoint shards would scatter; the job stops at start in one line."""
     port, cwds = free_port(), [runs / "node-a", runs / "node-b"]
     script = os.path.join(ROOT, "scalerl.py")
     procs = []
@@ -345,7 +345,7 @@ def test_trainer_ranks_that_do_not_share_the_run_directory_are_refused(runs):
         for p in procs:
             p.kill()
     assert all(p.returncode != 0 for p in procs)
-    line = [x for log in logs for x in log.splitlines() if x.startswith("error: rank 0: trainer ranks")]
+    line = [x for log in logs for x in log.splitlines() if x.startswith("error: rank 0: ranks [")]
     assert line and "do not see rank 0's run directory run" in line[0] and "filesystem every node shares" in line[0]
     assert not any(".shared-" in f for cwd in cwds if (cwd / "run").exists() for f in os.listdir(cwd / "run"))
 

@@ -112,28 +112,54 @@ def test_a_few_steps_on_the_gpu(tmp_path):
 
 
 def test_a_bucket_reaches_a_child_on_the_same_gpu_by_cuda_ipc():
-    """The vLLM child engine's load path (infra.vllm_engine.load_ipc_in_worker) without vLLM, which the GPU machine
-    lacks: a child process that sees only this GPU rebuilds the parent's tensors (views into one receive buffer, as
-    infra.dist.receive_weights gives them) from their CUDA IPC handles, device index rewritten, and reads them exact."""
+    """The vLLM child engine's load path (infra.vllm_engine.ipc_bucket, load_ipc_in_worker) without vLLM, which the GPU
+    machine lacks: a bucket of views into a receive buffer (as infra.dist.receive_weights gives them) goes as one CUDA
+    IPC message to a child process that sees only this GPU, which rebuilds it, device index rewritten, and reads the
+    parent's values exact; 200 buckets in a row, and the parent's memory comes back after each."""
     import os
     import pickle
+    import struct
     import subprocess
     import sys
-    from torch.multiprocessing.reductions import reduce_tensor
     from conftest import ENV, ROOT
-    flat = torch.randn(3 * 64 * 32, device="cuda").bfloat16()
-    parts = {"a.weight": flat[:2048].view(64, 32), "b.weight": flat[2048:4096].view(64, 32), "c.bias": flat[4096:4160]}
-    handles = pickle.dumps([(n, reduce_tensor(t)[1]) for n, t in parts.items()])
-    child = ("import pickle, sys, types\nfrom infra.vllm_engine import load_ipc_in_worker\ngot = {}\n"
-             "w = types.SimpleNamespace(reload_weights=lambda weights_iterator: got.update("
-             "{n: (t.device.index, t.cpu()) for n, t in weights_iterator}))\n"
-             "load_ipc_in_worker(w, sys.stdin.buffer.read())\nsys.stdout.buffer.write(pickle.dumps(got))")
+    from infra.dist import new_bucket
+    from infra.vllm_engine import ipc_bucket
+    shapes = {"a.weight": (64, 32), "b.weight": (64, 32), "c.bias": (64,)}
+    run = [(n, torch.empty(s), torch.bfloat16) for n, s in shapes.items()]
+    bufs = {}
+    child = """import pickle, struct, sys, types
+from infra.vllm_engine import load_ipc_in_worker
+got = {}
+worker = types.SimpleNamespace(reload_weights=lambda weights_iterator: got.update(
+    {n: (t.device.index, t.cpu()) for n, t in weights_iterator}))
+while (n := sys.stdin.buffer.read(8)):
+    load_ipc_in_worker(worker, sys.stdin.buffer.read(struct.unpack("q", n)[0]))
+    out = pickle.dumps(got)
+    sys.stdout.buffer.write(struct.pack("q", len(out)) + out)
+    sys.stdout.buffer.flush()
+"""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))
     env = {**ENV, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": visible.split(",")[torch.cuda.current_device()]}
-    p = subprocess.run([sys.executable, "-c", child], input=handles, capture_output=True, env=env, cwd=ROOT,
-                       timeout=120)
-    assert p.returncode == 0, p.stderr.decode()[-2000:]
-    got = pickle.loads(p.stdout)
-    assert set(got) == set(parts)
-    for n, t in parts.items():
-        assert got[n][0] == 0 and torch.equal(got[n][1], t.cpu())  # the child's only device, the parent's values
+    p = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                         cwd=ROOT)
+    try:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        for i in range(200):
+            flat, parts = new_bucket(run, "cuda", bufs)  # the receive buffer, reused
+            for x in parts:
+                x.normal_()
+            bucket = [(n, x.view(shapes[n]), dtype) for x, (n, _, dtype) in zip(parts, run)]
+            held, message = ipc_bucket(bucket, torch.device("cuda"))
+            p.stdin.write(struct.pack("q", len(message)) + message)
+            p.stdin.flush()
+            got = pickle.loads(p.stdout.read(struct.unpack("q", p.stdout.read(8))[0]))
+            del held
+            torch.cuda.ipc_collect()
+            for n, x, _ in bucket:  # on the child's only device, the parent's values
+                assert got[n][0] == 0 and torch.equal(got[n][1], x.cpu()), (i, n)
+        assert torch.cuda.memory_allocated() - base <= bufs[0].numel() + (1 << 20)  # the buffer, not 200 copies
+    finally:
+        p.stdin.close()
+        p.wait(timeout=60)
+    assert p.returncode == 0

@@ -73,15 +73,16 @@ def test_a_micro_batch_below_one_sequence_is_noted():
 
 
 def test_the_sync_bucket_sets_the_sync_buffers_and_the_kv_cache():
-    """Trainer rank 0 holds two buckets and a gathered tensor; a generator one bucket, beside vLLM's share."""
+    """Trainer rank 0 holds two buckets and a gathered tensor; a generator two, beside vLLM's share: the one it
+    receives into and the fresh copy it hands to vLLM."""
     big, _, _ = table(plan("--config=8b", "--sync_bucket_mb=4096"))
     small, _, _ = table(plan("--config=8b", "--sync_bucket_mb=512"))
     assert float(big["weight-sync buffers"][0]) - float(small["weight-sync buffers"][0]) == pytest.approx(
         2 * 3584 * 2 ** 20 / 1e9, abs=0.1)
     # a generator's receive bucket lives in its own process, outside vLLM's share: the KV cache does not pay for it,
     # and the fp32 head (a bucket of its own) sets the smallest one
-    assert small["KV cache"][-1] == big["KV cache"][-1] and float(small["weight-sync buffers"][-1]) == 2.5
-    assert float(big["weight-sync buffers"][-1]) == pytest.approx(4096 * 2 ** 20 / 1e9, abs=0.1)
+    assert small["KV cache"][-1] == big["KV cache"][-1] and float(small["weight-sync buffers"][-1]) == 5.0
+    assert float(big["weight-sync buffers"][-1]) == pytest.approx(2 * 4096 * 2 ** 20 / 1e9, abs=0.1)
 
 
 def test_one_node_names_the_split_that_fits():
