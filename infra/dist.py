@@ -322,11 +322,11 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
     scorer, scoring = ThreadPoolExecutor(1, thread_name_prefix="score"), []  # [(future, groups)] in finishing order
     # a resumed run starts at the checkpoint's version; next_group: taken from the counter, not started yet
     received, saved, next_group, idle_since = engine.version, None, None, None
-    # the TCPStore is read, and this rank's counts added to it, every POLL_S, not every engine step (6 requests a
-    # poll: 64 generators make some 4k a second, where a request per counter per step made some 15k)
+    # the TCPStore is read, and this rank's counts added to it, every POLL_S, not every engine step (at most 6
+    # requests a poll: 64 generators make some 4k a second, where a request per counter per step made some 15k)
     polled, stop, dropped, counts = 0.0, 0, 0, dict(gen_us=0, gen_tokens=0)
     while True:
-        poll, v = time.time() - polled >= POLL_S, received
+        poll, v = time.time() - polled >= POLL_S, received  # between polls no version is looked at: v stays
         if poll:
             polled = time.time()
             for key, n in counts.items():

@@ -151,9 +151,11 @@ for k, v in ((R.RLIMIT_AS, mem), (R.RLIMIT_FSIZE, fsize), (R.RLIMIT_NPROC, nproc
              (R.RLIMIT_NOFILE, 64)):
     R.setrlimit(k, (v, v))
 code, null = compile(open("prog.py", encoding="utf-8").read(), "prog.py", "exec"), os.open(os.devnull, os.O_WRONLY)
+import ctypes, struct
+libc = ctypes.CDLL(None, use_errno=True)
+if keyctl:  # a session keyring of its own (KEYCTL_JOIN_SESSION_KEYRING): not the run's, and gone with the check
+    libc.syscall(keyctl, 1, None)
 if landlock:  # system calls 444-446: landlock_create_ruleset, landlock_add_rule, landlock_restrict_self
-    import ctypes, struct
-    libc = ctypes.CDLL(None, use_errno=True)
     abi = libc.syscall(444, None, 0, 1)  # LANDLOCK_CREATE_RULESET_VERSION
     # refused: every file access this ABI knows (13, REFER from 2, TRUNCATE from 3, IOCTL_DEV from 5), TCP bind and
     # connect (from 4), abstract unix sockets and signals reaching outside (from 6); allowed: one rule, below
@@ -165,15 +167,10 @@ if landlock:  # system calls 444-446: landlock_create_ruleset, landlock_add_rule
         raise SystemExit("sandbox: Landlock failed: " + os.strerror(ctypes.get_errno()))
     os.close(ruleset)
     os.close(lib)
-    del ctypes, struct, libc, abi, access, ruleset, lib, rule
-    for m in ("ctypes", "ctypes._endian", "_ctypes"):
-        sys.modules.pop(m, None)
-if keyctl:  # a session keyring of its own (KEYCTL_JOIN_SESSION_KEYRING): not the run's, and gone with the check
-    import ctypes
-    ctypes.CDLL(None).syscall(keyctl, 1, None)
-    del ctypes
-    for m in ("ctypes", "ctypes._endian", "_ctypes"):
-        sys.modules.pop(m, None)
+    del abi, access, ruleset, lib, rule
+del ctypes, struct, libc
+for m in ("ctypes", "ctypes._endian", "_ctypes"):
+    sys.modules.pop(m, None)
 if uid >= 0:
     os.setgroups([])
     os.setresgid(uid, uid, uid)

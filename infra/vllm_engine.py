@@ -176,9 +176,10 @@ class VLLMEngine(Engine):
         kv_bytes = 2 * cfg.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
         memory = {} if self.child and torch.cuda.is_available() else \
             dict(kv_cache_memory_bytes=kv_bytes * slots * (self.max_len + 128), enforce_eager=True)
-        # an untied fp32 head (fp32_head_in_worker) costs its weight again in fp32 beside vLLM's share
+        # an untied fp32 head (infra.run.make_engine keeps it fp32; fp32_head_in_worker) costs its weight again in
+        # fp32 beside vLLM's share
         head = model.get_output_embeddings().weight
-        fp32_head = head_dtype == torch.float32 != dtype and head is not model.get_input_embeddings().weight
+        fp32_head = head.dtype == torch.float32 != dtype
         if torch.cuda.is_available():  # vLLM refuses to start past what is free (v1/worker/utils.py, request_memory)
             free, total = torch.cuda.mem_get_info()
             memory["gpu_memory_utilization"] = vllm_share(gpu_share, free - fp32_head * head.numel() * 4, total)

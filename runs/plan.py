@@ -122,7 +122,7 @@ def columns(cfg, shape, world, T, seq):
         # vLLM's share holds its weights in the body dtype and the KV cache; outside it: an untied head made fp32 after
         # (infra/vllm_engine.fp32_head_in_worker), the generator process's receive buffer and its CUDA context
         # (vllm_share leaves 1 GiB and that head of what is free)
-        P, b = sizes(cfg, shape)[0], sizes(cfg, shape)[3]
+        P, _, _, b, _ = sizes(cfg, shape)
         cols["generators"]["KV cache"] = max(0.0, VLLM_SHARE * GPU_GB * GB - b * P)
         cols["generators"]["CUDA context"] = 0.5 * GB
     return cols
