@@ -173,15 +173,19 @@ def buckets(named, limit):
         yield run
 
 
-def new_bucket(run, device, bufs, i=0):
+def new_bucket(run, device, bufs, i=0, fill=False):
     """A flat tensor for bucket `run` (its dtype, on `device`) in byte buffer bufs[i], grown when it needs more, and
-    its view of each tensor; reused: a new one per bucket pays its page faults every update (bench/weight_sync.py)."""
+    its view of each tensor; reused: a new one per bucket pays its page faults every update (bench/weight_sync.py).
+    `fill`: with a copy of `run`'s tensors (copy_ casts without torch.cat's temporary)."""
     numel, dtype, device = sum(t.numel() for _, t, _ in run), run[0][2], torch.empty(0, device=device).device
     if bufs.get(i) is None or bufs[i].numel() < numel * dtype.itemsize or bufs[i].device != device:
         bufs[i] = None  # the old one goes first
         bufs[i] = torch.empty(numel * dtype.itemsize, dtype=torch.uint8, device=device)
     flat = bufs[i][:numel * dtype.itemsize].view(dtype)
-    return flat, flat.split([t.numel() for _, t, _ in run])
+    parts = flat.split([t.numel() for _, t, _ in run])
+    for x, (_, t, _) in zip(parts, run) if fill else ():
+        x.copy_(t.detach().reshape(-1))
+    return flat, parts
 
 
 class TrainerLink(BatchSource):
@@ -244,10 +248,8 @@ class TrainerLink(BatchSource):
         counter(self.job, "version", 1)
         for i, run in enumerate(buckets(weights, self.bucket_bytes)):
             # a copy, never the live parameters (the next step changes them), into the buffer whose broadcast (i - 2)
-            # has landed; copy_ casts without torch.cat's temporary
-            flat, parts = new_bucket(run, run[0][1].device, self.bufs, i % 2)
-            for x, (_, t, _) in zip(parts, run):
-                x.copy_(t.reshape(-1))
+            # has landed
+            flat, _ = new_bucket(run, run[0][1].device, self.bufs, i % 2, fill=True)
             self._land()
             self.pending = dist.broadcast(flat, src=0, group=self.job.groups["weights"], async_op=True)
         self._land()  # sync_s ends once every generator holds the weights, not when the last broadcast is queued
@@ -326,8 +328,7 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
     # requests a poll: 64 generators make some 4k a second, where a request per counter per step made some 15k)
     polled, stop, dropped, counts = 0.0, 0, 0, dict(gen_us=0, gen_tokens=0)
     while True:
-        poll, v = time.time() - polled >= POLL_S, received  # between polls no version is looked at: v stays
-        if poll:
+        if time.time() - polled >= POLL_S:
             polled = time.time()
             for key, n in counts.items():
                 if n:
@@ -335,20 +336,20 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
                     counts[key] = 0
             stop = counter(job, "stop")  # before the version: every broadcast published before the stop is received
             dropped = counter(job, "dropped")
-        # the last version received, then the new ones: each one's held-out pass rate if trainer rank 0 asked for it
-        # (it asks once it published the version), with its weights, between engine steps
-        for v in range(received, counter(job, "version") + 1) if poll else ():
-            if v > received:
-                receive_weights(job, engine, v, bucket_bytes, take=mode == "pipeline" or v % k == 0, bufs=bufs)
-            if v not in evaluated and job.store.check([f"eval/{v}"]):
-                evaluated.add(v)
-                assert engine.version == v, (engine.version, v)  # infra.cli: PPO evaluates only versions it loads
-                with waiting_for(job, "the job's TCPStore (held-out results)"):
-                    job.store.set(f"eval/{v}/{job.rank}", json.dumps(evaluate(int(job.store.get(f"eval/{v}")))))
-                if engine.aside:  # training groups that finished during the evaluation
-                    scoring.append((scorer.submit(rollouts.score, engine.aside), engine.aside))
-                    engine.aside = []
-        received = v
+            # the last version received, then the new ones: each one's held-out pass rate if trainer rank 0 asked for
+            # it (it asks once it published the version), with its weights, between engine steps
+            for v in range(received, counter(job, "version") + 1):
+                if v > received:
+                    receive_weights(job, engine, v, bucket_bytes, take=mode == "pipeline" or v % k == 0, bufs=bufs)
+                if v not in evaluated and job.store.check([f"eval/{v}"]):
+                    evaluated.add(v)
+                    assert engine.version == v, (engine.version, v)  # infra.cli: PPO evaluates only versions it loads
+                    with waiting_for(job, "the job's TCPStore (held-out results)"):
+                        job.store.set(f"eval/{v}/{job.rank}", json.dumps(evaluate(int(job.store.get(f"eval/{v}")))))
+                    if engine.aside:  # training groups that finished during the evaluation
+                        scoring.append((scorer.submit(rollouts.score, engine.aside), engine.aside))
+                        engine.aside = []
+            received = v
         if received != saved and received % save_every == 0:
             tmp = state_path + ".tmp"
             try:

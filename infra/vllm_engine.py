@@ -46,9 +46,7 @@ def ipc_bucket(run, device):
     the same GPU (torch/multiprocessing/reductions.py:221, reduce_tensor). Fresh, shared once, freed after the load:
     sharing the long-lived receive buffer at every update would nest torch's record of the share, once per share."""
     from torch.multiprocessing.reductions import reduce_tensor
-    flat, parts = new_bucket(run, device, {})
-    for x, (_, t, _) in zip(parts, run):
-        x.copy_(t.detach().reshape(-1))
+    flat, _ = new_bucket(run, device, {}, fill=True)
     torch.cuda.current_stream().synchronize()  # the broadcast into the sources, and these copies, have landed
     return flat, pickle.dumps((reduce_tensor(flat)[1], [(n, tuple(t.shape)) for n, t, _ in run]))
 

@@ -208,11 +208,11 @@ def plan(cfg):
         return "\n".join(out + [f"  memory: shape of {cfg.model} unknown offline (cache its config.json to see it)"])
     L, H, I, nq, nkv, hd, V, tied = shape
     flight = min(cfg.slots, -(-(cfg.max_lag + 1) * BG // G_))  # completions one generator may hold at once
-    out.append(f"  model {sizes(cfg, shape)[0] / 1e9:.2f}B parameters ({L} layers, hidden {H}, {nq}/{nkv} q/kv heads "
+    P = sizes(cfg, shape)[0]
+    out.append(f"  model {P / 1e9:.2f}B parameters ({L} layers, hidden {H}, {nq}/{nkv} q/kv heads "
                f"x {hd}, vocab {V:,}{', tied' if tied else ''})")
     out += memory_lines(cfg, shape, world, T, seq, flight)
     if world > 1:  # a preempted run finishes its step, then every trainer rank writes its shard (infra/rundir.py)
-        P = sizes(cfg, shape)[0]
         out.append(f"  preemption: a checkpoint is {12 * P / 1e9:.0f} GB (fp32 weights and AdamW's m, v), "
                    f"{12 * P / T / 1e9:.1f} GB per trainer rank; give torchrun\n    --shutdown-timeout one step and "
                    "that write (its default: 30 s, then SIGKILL), and\n    "
