@@ -1,14 +1,14 @@
 """GPU figures for one model shape, random init, nothing downloaded: the trainer step, the PyTorch engine, the
 behaviour/trainer logprob gap, the weight path's one-device half, and the --dry_run memory plan against each.
 
-The model is a transformers Qwen3 of a runs/plan.py KNOWN_SHAPES shape (or --shape L,H,I,nq,nkv,hd,V,tied), its fp32
+The model is a transformers Qwen3 of a infra/plan.py KNOWN_SHAPES shape (or --shape L,H,I,nq,nkv,hd,V,tied), its fp32
 master weights on the device, wrapped as scalerl.py wraps it in one process (infra.run.policy): trainer.Policy through
 FSDP2 mixed precision over a group of one, bf16 body, FP32 head. Parts (--parts, comma-separated):
   train     trainer.train_step on --prompts x --group completions of --seq tokens (random tokens, rewards 1, 0, ...:
             every group kept), micro-batches of --micro_batch_tokens; without and with activation checkpointing. Per
             setting: trained (loss) tokens/s over --steps steps after one warm-up step; the peak allocated memory in
             the steps; the peak above weights + AdamW state + gradients per micro-batch token; and the plan's
-            (runs/plan.py trainer_rows) total for the same shape, dtype and micro-batch, against the peak.
+            (infra/plan.py trainer_rows) total for the same shape, dtype and micro-batch, against the peak.
   engine    engine.TorchEngine (--slots, FP32 head, bf16 body, weights from Policy.state() as the engines load them)
             against model.generate of an all-bf16 copy, same prompts, temperature 1, the full vocabulary, at most
             --new tokens: tokens/s of each, fastest of --repeats; the engine's weights + KV cache against the plan's.
@@ -43,7 +43,7 @@ import trainer  # noqa: E402
 import engine  # noqa: E402
 from engine import Sample, TorchEngine  # noqa: E402
 from infra import dist  # noqa: E402
-from runs import plan  # noqa: E402
+from infra import plan  # noqa: E402
 
 GB = 1e9
 
@@ -259,7 +259,7 @@ def part_sync(a, policy, eng, dev, out):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="Qwen/Qwen3-0.6B", help="a runs/plan.py KNOWN_SHAPES name, or L,H,I,nq,nkv,"
+    ap.add_argument("--shape", default="Qwen/Qwen3-0.6B", help="a infra/plan.py KNOWN_SHAPES name, or L,H,I,nq,nkv,"
                     "hd,V,tied")
     ap.add_argument("--layers", type=int, default=0, help="decoder layers (0: the shape's own)")
     ap.add_argument("--parts", default="train,engine,mismatch,sync")

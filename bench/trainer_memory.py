@@ -1,6 +1,6 @@
-"""Activation memory of one trainer micro-batch: the measurements behind runs/plan.py's activation rows.
+"""Activation memory of one trainer micro-batch: the measurements behind infra/plan.py's activation rows.
 
-Builds a random-init model of a runs/plan.py KNOWN_SHAPES shape (Qwen3-0.6B by default; a transformers Qwen3Config,
+Builds a random-init model of a infra/plan.py KNOWN_SHAPES shape (Qwen3-0.6B by default; a transformers Qwen3Config,
 nothing downloaded) with its body parameters in bfloat16, and runs one forward + backward of one micro-batch as the
 trainer does: hidden states from model.model(...) with a padding mask, the LM head in FP32 through
 losses.token_logprobs (head weight upcast), once without and once with activation checkpointing per decoder layer
@@ -14,9 +14,9 @@ be), with glibc's mmap threshold fixed at 64 KiB so that freed tensors leave the
     python bench/trainer_memory.py --shape Qwen/Qwen3-8B --layers 1,2 --vocab 1024   # an 8B layer, a small head
 
 --batch 1 runs one unpadded sequence (no mask: sdpa's GQA path); --vocab shrinks the head to see the body alone.
-Prints a row per configuration: peak MiB, KB (1e3 bytes) per token, and runs/plan.py's figure for the same peak (its
+Prints a row per configuration: peak MiB, KB (1e3 bytes) per token, and infra/plan.py's figure for the same peak (its
 activations plus the FP32 head's weight and gradient, which the plan counts with the FSDP2 units); then the
-per-layer slope, KB per token per layer, from the two smallest layer counts: the constant runs/plan.py calibrates.
+per-layer slope, KB per token per layer, from the two smallest layer counts: the constant infra/plan.py calibrates.
 """
 import argparse
 import json
@@ -28,7 +28,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from runs.plan import KNOWN_SHAPES, trainer_activations  # noqa: E402
+from infra.plan import KNOWN_SHAPES, trainer_activations  # noqa: E402
 
 
 def worker(shape, layers, batch, tokens, ckpt):

@@ -27,7 +27,7 @@ import scalerl  # noqa: E402
 import trainer  # noqa: E402
 from infra import run  # noqa: E402
 from infra.dist import TrainerLink, counter, dist_init, receive_weights  # noqa: E402
-from runs.plan import KNOWN_SHAPES  # noqa: E402
+from infra.plan import KNOWN_SHAPES  # noqa: E402
 
 
 def build(args):

@@ -3,9 +3,12 @@ import it; scalerl.py calls it. What ends a run early says why in one line on st
 import os
 import sys
 
-from pipeline_rl import first_line
-
 __all__ = ["die", "fail", "first_line", "print0"]
+
+
+def first_line(e):
+    """An exception's first line, at most 300 characters: what a one-line error quotes of it."""
+    return (str(e).strip().splitlines() or [""])[0][:300]
 
 
 def fail(msg):

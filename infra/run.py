@@ -69,7 +69,7 @@ def start(cfg):
     world = int(os.environ.get("WORLD_SIZE", 1))
     if rank0 and world > 1 and not cfg.gen_ranks and torch.cuda.is_available():
         # --gen_share's split, or fewer generator ranks where its trainer ranks would not fit these GPUs (the plan)
-        from runs.plan import fitting_gen_ranks
+        from infra.plan import fitting_gen_ranks
         gb = torch.cuda.get_device_properties(0).total_memory / 1e9
         g = fitting_gen_ranks(cfg, world, gb)
         if g and g != len(dist.roles(world, 0, cfg.gen_share)[1]):
@@ -325,7 +325,7 @@ def tool(cfg):
     """No training: --dry_run (nothing loaded), or in one process --export or --eval_only of out_dir's checkpoint
     (else --model's own weights); an evaluation is seeded as the run's at that step, its row appended to evals.jsonl."""
     if cfg.dry_run:
-        from runs.plan import plan
+        from infra.plan import plan
         return print(plan(cfg))
     set_threads(cfg)
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")

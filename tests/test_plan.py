@@ -1,12 +1,12 @@
-"""runs/plan.py, the --dry_run planner: every memory row and a verdict per GPU role, a configuration that cannot fit
+"""infra/plan.py, the --dry_run planner: every memory row and a verdict per GPU role, a configuration that cannot fit
 says so, the tiny default prints memory too, and the activation figures stay calibrated to bench/trainer_memory.py.
-In-process (scalerl.parse_args + runs.plan.plan) apart from one real `python scalerl.py --dry_run`."""
+In-process (scalerl.parse_args + infra.plan.plan) apart from one real `python scalerl.py --dry_run`."""
 
 import pytest
 
 import scalerl
 from conftest import run_command, scalerl_command
-from runs import plan as planner
+from infra import plan as planner
 
 ROWS = ("parameters (fp32 master)", "gradients (fp32)", "optimizer state (AdamW m, v)", "unsharded units (FSDP2)",
         "activations, act_ckpt on", "activations, act_ckpt off", "engine weights", "KV cache", "CUDA context",
@@ -18,7 +18,7 @@ def plan(*argv):
 
 
 def table(text, at=40, width=15):
-    """{row label: [figure per column]}, the column names, the verdicts (runs/plan.py's fixed-width table)."""
+    """{row label: [figure per column]}, the column names, the verdicts (infra/plan.py's fixed-width table)."""
     lines = text.splitlines()
     head = next(i for i, line in enumerate(lines) if line.lstrip().startswith("memory per GPU"))
 

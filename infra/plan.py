@@ -1,4 +1,4 @@
-"""runs/plan.py: what `python scalerl.py --dry_run` prints: the run's roles, steps, token budgets, and each GPU role's
+"""infra/plan.py: what `python scalerl.py --dry_run` prints: the run's roles, steps, token budgets, and each GPU role's
 memory row by row with a verdict at 80 GB, from the config alone (shapes from a cached `config.json`, or the table
 below for the presets' model); nothing is loaded or downloaded.
 
