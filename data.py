@@ -75,9 +75,8 @@ def format_target(problem):
 
 def extract_answer(completion):
     """The text after the last </think>, stripped; None when there is none (the thinking never closed)."""
-    if not isinstance(completion, str) or THINK_CLOSE not in completion:
-        return None
-    return completion.rsplit(THINK_CLOSE, 1)[1].strip()
+    closed = isinstance(completion, str) and THINK_CLOSE in completion
+    return completion.rsplit(THINK_CLOSE, 1)[1].strip() if closed else None
 
 
 # The built-in arithmetic task: level L sums L+1 single-digit terms, "7+5+9+3", thinking "7+5=12,12+9=21,21+3=24"; a
@@ -183,11 +182,12 @@ _REWARD_THREADS = concurrent.futures.ThreadPoolExecutor(CODE_WORKERS, thread_nam
 
 
 def reward(problem, completion, timeout=5.0):
-    """+1.0 if the answer after the last </think> passes its task's checker, else -1.0. Never raises: errors fail."""
-    try:
-        text = extract_answer(completion)
-        check = CHECKERS.get(problem.task) or CHECKERS.get(problem.task.partition(":")[0] + ":")
-        return 1.0 if text and check is not None and check(problem, text, timeout) else -1.0
+    """+1.0 if the answer after the last </think> passes its task's checker, else -1.0; raises if the task has none."""
+    if (check := CHECKERS.get(problem.task) or CHECKERS.get(problem.task.partition(":")[0] + ":")) is None:
+        raise LookupError(f"no checker {problem.task!r} registered in data.CHECKERS: import infra.sources, which "
+                          "registers math, rg: and code, or register your own")
+    try:  # a checker's error fails the answer
+        return 1.0 if (text := extract_answer(completion)) and check(problem, text, timeout) else -1.0
     except Exception:
         return -1.0
 

@@ -5,11 +5,12 @@
 of its own (no network; signals reach only the check's own processes; whatever it leaves running, and any SysV IPC
 object it made, dies with the check), with a session keyring of its own, as root under a uid of its own whose kernel
 keys are cleared after. Landlock, where the kernel has it, keeps every system call from writing a file or reading
-one outside the standard library. Past `time_limit` seconds per test the check is killed. Limits: 512 MB of address
-space a process, at most 3 processes or threads a program (1.5 GB a check), output, file size, open files. Without
-namespaces code tasks are refused (`sandbox_mode` is None, and `sandbox_description` says how to enable them). The
-audit hook inside makes ordinary attempts (files, sockets, subprocesses, signals) fail at once; it is a tripwire,
-not a boundary (PEP 578: a program can switch it off).
+one outside the standard library. A test is killed past `time_limit` seconds, a process by the kernel past that and
+2 s of CPU time (whole seconds), and a check dies with the process that started it. Limits: 512 MB of address space a
+process, at most 3 processes or threads a program (1.5 GB a check), output, file size, open files. Without
+namespaces code tasks are refused (`sandbox_mode` is None, and `sandbox_description` says how to enable them; a
+fault while finding out is no verdict). The audit hook inside makes ordinary attempts (files, sockets, subprocesses,
+signals) fail at once; it is a tripwire, not a boundary (PEP 578: a program can switch it off).
 """
 import contextlib
 import functools
@@ -22,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 from data import CODE_TIME_LIMIT, code_tests
 
@@ -40,7 +40,7 @@ def check_answer(problem, text, time_limit):
 # bytes of address space a process, bytes of output a test; a program's processes and threads
 _MEMORY, _OUTPUT, _TASKS = 512 << 20, 1 << 20, 3
 _NO_LANDLOCK = "files are guarded by the uid alone (a user namespace's: the run's own files), the audit hook aside"
-_SANDBOX_MODE, _SANDBOX_LOCK = [], threading.Lock()  # sandbox_mode's answer, found once per process
+_SANDBOX_MODE, _SANDBOX_LOCK = [], threading.Lock()  # sandbox_mode's verdict, found once per process
 _SLOTS = queue.SimpleQueue()  # a uid per concurrent check (as root)
 for _slot in range(64):
     _SLOTS.put(_slot)
@@ -59,7 +59,7 @@ def check_program(program, tests, time_limit=CODE_TIME_LIMIT):
 
 
 def sandbox_mode():
-    """(unshare command, own uid?, Landlock?) of the sandbox that runs a canary here, or None; found once."""
+    """(unshare command, own uid?, Landlock?) of the sandbox that runs a canary here, or None; a verdict is kept."""
     with _SANDBOX_LOCK:
         if not _SANDBOX_MODE:
             prefix, root = _prefix(), os.geteuid() == 0
@@ -67,8 +67,8 @@ def sandbox_mode():
             modes = ((prefix, root, True), (prefix, root, False)) if shutil.which("unshare") else ()
             try:
                 _SANDBOX_MODE.append(next((m for m in modes if _run_tests(*canary, m)), None))
-            except OSError:  # unshare cannot run
-                _SANDBOX_MODE.append(None)
+            except OSError:  # a fault (no temporary directory, unshare cannot start, a stalled start), not a verdict
+                return None
             if _SANDBOX_MODE[0] and not _SANDBOX_MODE[0][2]:
                 print(f"warning: the code sandbox runs without Landlock: {_NO_LANDLOCK}", file=sys.stderr)
         return _SANDBOX_MODE[0]
@@ -108,7 +108,7 @@ def _prefix():
 def _run_tests(program, tests, time_limit, mode):
     """True iff `program` passes every test, all in one sandboxed interpreter (see _BOOT) run under `mode`."""
     namespaces, own_uid, landlock = mode
-    with contextlib.ExitStack() as cleanup:  # on the way out, in reverse: kill, close files, remove the box, free slot
+    with contextlib.ExitStack() as cleanup:  # on the way out, reversed: end it, close files, remove the box, free slot
         slot = _SLOTS.get()
         cleanup.callback(_SLOTS.put, slot)
         uid = 1_000_000 + os.getpid() % 4_000_000 * 64 + slot if own_uid else -1
@@ -125,14 +125,17 @@ def _run_tests(program, tests, time_limit, mode):
         # interpreter, then the program's processes and threads; so the check's memory is bounded as a whole
         nproc = 1 + _TASKS + (not own_uid)
         fds = [f.fileno() for f in files]
-        limits = [_MEMORY, _OUTPUT + 1, nproc, uid, int(landlock), _KEYCTL or 0]
+        limits = [_MEMORY, _OUTPUT + 1, nproc, int(time_limit) + 2, uid, int(landlock), _KEYCTL or 0]
         args = [sys.executable, "-I", "-S", "-c", _BOOT, *map(str, limits + fds)]
-        proc = cleanup.enter_context(subprocess.Popen(
-            namespaces + args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            pass_fds=fds, cwd=box, env={"LC_ALL": "C.UTF-8"}, start_new_session=True))  # on exit: waited for
-        cleanup.callback(_kill_sandbox, proc.pid)
-        if not select.select([proc.stdout], [], [], 10.0)[0] or proc.stdout.readline() != b"ready\n":
-            return False  # the interpreter did not start: not the program's fault, but a fail
+        # on the way out its stdin closes, which ends it (see _BOOT), and unshare is waited for: it exits once the
+        # namespace is empty, as the kernel kills the rest of a PID namespace before its first process is gone
+        cleanup.enter_context(proc := subprocess.Popen(
+            namespaces + args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            pass_fds=fds, cwd=box, env={"LC_ALL": "C.UTF-8"}, start_new_session=True))
+        if not select.select([proc.stdout], [], [], 10.0)[0]:
+            raise TimeoutError("the sandbox's interpreter did not start in 10 s")
+        if proc.stdout.readline() != b"ready\n":
+            return False  # the interpreter failed to start: not the program's fault, but a fail
         for (_, want), out in zip(tests, files[1::2]):  # the wall clock of each test runs from the previous report
             if not select.select([proc.stdout], [], [], time_limit)[0] or proc.stdout.readline().strip() != b"0":
                 return False
@@ -145,10 +148,10 @@ def _run_tests(program, tests, time_limit, mode):
 
 # The interpreter: limits, Landlock, as root its own uid, the audit hook; then a child per test, exit code on stdout.
 _BOOT = r"""# scalerl sandbox
-import os, resource as R, sys
-mem, fsize, nproc, uid, landlock, keyctl, *fds = map(int, sys.argv[1:])
+import os, resource as R, select, sys
+mem, fsize, nproc, cpu, uid, landlock, keyctl, *fds = map(int, sys.argv[1:])
 for k, v in ((R.RLIMIT_AS, mem), (R.RLIMIT_FSIZE, fsize), (R.RLIMIT_NPROC, nproc), (R.RLIMIT_CORE, 0),
-             (R.RLIMIT_NOFILE, 64)):
+             (R.RLIMIT_NOFILE, 64), (R.RLIMIT_CPU, cpu)):
     R.setrlimit(k, (v, v))
 code, null = compile(open("prog.py", encoding="utf-8").read(), "prog.py", "exec"), os.open(os.devnull, os.O_WRONLY)
 import ctypes, struct
@@ -211,20 +214,14 @@ for i in range(0, len(fds), 2):
         except BaseException:
             rc = 1
         os._exit(rc & 255)
+    # the test's end, or this check's grader's (stdin, a pipe only it writes to, closes): then the namespace's first
+    # process exits, and the kernel kills the rest
+    done = os.pidfd_open(pid)
+    if 0 in select.select([0, done], [], [])[0]:
+        os._exit(1)
+    os.close(done)
     os.write(1, b"%d\n" % os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
 """
-
-
-def _kill_sandbox(pid):
-    """Kill unshare's process group, the first process of its PID namespace with it: the kernel then kills the rest
-    of the namespace (also what left the group by setsid()) before that process is gone, which is waited for."""
-    first = _read(f"/proc/{pid}/task/{pid}/children").split()
-    with contextlib.suppress(OSError):
-        os.killpg(pid, 9)
-    for _ in range(200):  # until it is gone, or a zombie
-        if all(_read(f"/proc/{p}/stat").rpartition(") ")[2][:1] in ("", "Z") for p in first):
-            break
-        time.sleep(0.005)
 
 
 # keyctl's number (asm-generic 219 on aarch64 and riscv64); elsewhere a root run's keys stay, within the uid's quota

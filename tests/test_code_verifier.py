@@ -7,7 +7,8 @@
    and the next verification works. File isolation (files made by mkfifo, mknod, a socket bind, ctypes, /proc/self
    paths; a world-writable file changed through mmap; reads of /etc/passwd, the project, /proc/1 and of / itself,
    also by patching the functions the hook resolves paths with; a program filling its own directory) must hold by
-   the kernel alone: those programs run again with the audit hook removed. The sandbox says what confines it.
+   the kernel alone: those programs run again with the audit hook removed. The sandbox says what confines it. A
+   check dies with its grader, a CPU-time limit backs the wall clock, and a fault while probing is no verdict.
 2. The built-in code task: the reference programs pass their hidden tests, slipped ones fail; extraction and rewards.
 3. DeepCoder-style files with a `tests` column; the mixture sampler keeps its shares and a curriculum per task.
 4. Per-task fits in sigmoid_fit; a real `scalerl.py --task arith+code` smoke run logs pass_rate_<task> (slow).
@@ -17,12 +18,14 @@ Run: python -m pytest tests/test_code_verifier.py (add -m "not slow" to skip the
 import json
 import os
 import re
+import select
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import types
 
 import pytest
 
@@ -273,6 +276,89 @@ def test_a_check_that_cannot_make_its_directory_fails_and_keeps_its_slot(monkeyp
     assert sandbox._SLOTS.qsize() == 64
     monkeypatch.undo()
     assert sandbox.check_program("print(1)", [("", "1\n")])
+
+
+def test_a_fault_in_the_first_probe_is_not_kept_as_a_verdict(monkeypatch, tmp_path):
+    """The first check of a process finds the sandbox; a fault meanwhile (its temporary directory gone) fails that
+    check, and the next one, the fault gone, asks again: not "no sandbox" for the rest of the run."""
+    tempdir = tempfile.tempdir
+    monkeypatch.setattr(sandbox, "_SANDBOX_MODE", [])
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))
+    assert sandbox.sandbox_mode() is None and not sandbox.check_program(ADD, ADD_TESTS, OK_LIMIT)
+    assert sandbox._SANDBOX_MODE == []
+    monkeypatch.setattr(tempfile, "tempdir", tempdir)
+    assert sandbox.check_program(ADD, ADD_TESTS, OK_LIMIT) and sandbox.sandbox_mode() is not None
+
+
+def process_tree(root):
+    """{pid: (start time, parent pid, CPU ticks)} of `root`'s live descendants, from /proc."""
+    stats = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rpartition(") ")[2].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":  # state, ppid, ..., utime 11, stime 12, ..., starttime 19 (fields after the name)
+            stats[int(pid)] = (fields[19], int(fields[1]), int(fields[11]) + int(fields[12]))
+    tree, grew = {}, True
+    while grew:
+        new = {p: v for p, v in stats.items() if (v[1] == root or v[1] in tree) and p not in tree}
+        tree.update(new)
+        grew = bool(new)
+    return tree
+
+
+def alive(processes):
+    """Those of `processes` ({pid: (start time, ...)}) still running: the same pid and start time, not a zombie."""
+    now = {}
+    for pid, (start, *_) in processes.items():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rpartition(") ")[2].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and fields[19] == start:
+            now[pid] = fields[0]
+    return now
+
+
+def test_a_check_dies_with_its_grader():
+    """A grader killed mid-check (SIGKILL: no clean-up runs) takes its check with it: the sandbox's processes, an
+    endless loop among them, are gone within seconds, not spinning on for its 60 s limit or for ever."""
+    grader = subprocess.Popen([sys.executable, "-c", "from infra import sandbox\n"
+                               "sandbox.check_program('while True:\\n    pass\\n', [('', '1')], 60.0)"], cwd=ROOT)
+    check = {}
+    try:
+        deadline = time.time() + 60
+        # the loop is running: a process three below the grader (unshare, the boot interpreter, the test) using CPU
+        while not any(ticks > 30 for _, ppid, ticks in check.values() if ppid in check and check[ppid][1] in check):
+            assert time.time() < deadline and grader.poll() is None, "the check never started"
+            time.sleep(0.1)
+            check = process_tree(grader.pid)
+        grader.kill()
+        grader.wait()
+        for _ in range(100):
+            if not alive(check):
+                break
+            time.sleep(0.1)
+        assert not alive(check), f"left running after its grader died: {alive(check)}"
+    finally:
+        grader.kill()
+        for pid in alive(check):
+            os.kill(pid, 9)
+
+
+def test_cpu_time_ends_a_check_its_wall_clock_does_not(monkeypatch):
+    """RLIMIT_CPU backs the wall clock: with the grader's timer stretched to 60 s, an endless loop under a 1 s limit
+    is still killed by the kernel after 3 s of CPU (the limit and 2 s, whole seconds), and the check fails then (on a
+    busy machine 3 s of CPU can take several seconds of wall clock: the bound is half the timer)."""
+    real = select.select
+    monkeypatch.setattr(sandbox, "select", types.SimpleNamespace(select=lambda r, w, x, t: real(r, w, x, 60.0)))
+    t0 = time.time()
+    assert sandbox.check_program("while True:\n    pass\n", [("", "1")], LIMIT) is False
+    assert time.time() - t0 < 30
+    assert sandbox.check_program(ADD, ADD_TESTS, OK_LIMIT)
 
 
 @pytest.mark.parametrize("program, tests, want", [

@@ -5,6 +5,8 @@ Run: python -m pytest tests/test_data.py -q   (offline; about half a minute on a
 """
 import json
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -12,6 +14,7 @@ import pytest
 import data
 from data import (ARITH_CHARS, INTERRUPT_PHRASE, THINK_CLOSE, THINK_OPEN, Problem, arith_problems, extract_answer,
                   format_prompt, format_target, reward)
+from conftest import ENV, ROOT
 from infra.sources import last_boxed, load_problems
 from pipeline_rl import PromptPool
 
@@ -161,9 +164,25 @@ def test_reward_arith_adversarial(completion, expected):
     assert reward(ARITH, completion) == expected
 
 
-def test_reward_never_raises_on_bad_problems():
-    assert reward(Problem(0, "q", "24", "no-such-task"), "</think>24") == -1.0
-    assert reward(Problem(0, "q", "not a number", "arith"), "</think>24") == -1.0
+def test_reward_fails_a_bad_answer_and_refuses_a_task_without_a_checker():
+    assert reward(Problem(0, "q", "not a number", "arith"), "</think>24") == -1.0  # the checker's error: a fail
+    with pytest.raises(LookupError, match="no checker 'no-such-task' registered in data.CHECKERS"):
+        reward(Problem(0, "q", "24", "no-such-task"), "</think>24")
+
+
+def test_math_and_code_are_not_scored_without_their_checkers():
+    """data alone registers arith only: a math or code answer is an error naming where its checker comes from, not
+    a silent -1 (a run that forgot to import infra.sources would train on noise)."""
+    program = ("import data\nfor task in ('math', 'code', 'rg:chain_sum'):\n    try:\n"
+               "        data.reward(data.Problem(0, 'q', '72', task), '</think>72')\n    except LookupError as e:\n"
+               "        print(e)\nimport sys\nprint(sorted(data.CHECKERS), 'infra' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    for line, task in zip(lines, ("math", "code", "rg:chain_sum")):
+        assert line == (f"no checker {task!r} registered in data.CHECKERS: import infra.sources, which registers "
+                        "math, rg: and code, or register your own")
+    assert lines[3:] == ["['arith'] False"]
 
 
 @pytest.mark.parametrize("gold, completion, expected", [
