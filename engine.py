@@ -55,7 +55,6 @@ class Engine:
         self.think_budget, self.answer_budget = think_budget, answer_budget  # (lo, hi), drawn per completion; int
         self.max_len = max_prompt + think_budget[1] + len(interrupt_ids or []) + answer_budget + 1
         self.groups, self.version = {}, 0  # group id -> (finished samples, group size); the loaded policy version
-        self.aside = []  # groups that finished during `generate` but are not its own
         self.budget_rng = random.Random(seed)
         self.stats = dict(decode_steps=0, busy_slot_steps=0, tokens=0, prefills=0)
 
@@ -66,15 +65,14 @@ class Engine:
         self._queue(template, n)
 
     def generate(self, templates, n, progress=None):
-        """Run n completions of each template to the end; the groups in template order. `progress(groups done)` after
-        a step that finishes some. Others already running run along; those that finish meanwhile wait in `aside`."""
+        """Run n completions of each template to the end, on an engine running nothing else; the groups in template
+        order. `progress(groups done)` after a step that finishes some."""
         for t in templates:
             self.add(t, n)
-        mine, out = {t.group for t in templates}, {}
-        while len(out) < len(mine):
+        out = {}
+        while len(out) < len(templates):
             finished = self.step()
-            out.update((g[0].group, g) for g in finished if g[0].group in mine)
-            self.aside += [g for g in finished if g[0].group not in mine]
+            out.update((g[0].group, g) for g in finished)
             if progress and finished:
                 progress(len(out))
         return [out[t.group] for t in templates]

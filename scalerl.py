@@ -93,6 +93,7 @@ class Config:
     eval_every: int = 10               # held-out eval every N steps (and at step 0 and the end)
     eval_prompts: int = 96             # held-out prompts per eval (never trained on)
     eval_samples: int = 4              # completions per held-out prompt: pass rate is mean@eval_samples
+    eval_share: float = 0.25           # torchrun: share of a generator's slots held-out groups may take beside rollouts
     ckpt_every: int = 50               # checkpoint every N steps (atomic) and at the end
     max_nonfinite: int = 3             # stop, checkpointing the last good weights, after N non-finite steps in a row
     resume: bool = False               # continue the run in out_dir from its checkpoint, with its own options
@@ -111,7 +112,7 @@ class Config:
     gen_share: float = 0.5             # generators' share of the world when gen_ranks is 0 (paper: 64 of 80 GPUs)
     dry_run: bool = False              # print the resolved plan (roles, memory per GPU, steps) and exit; loads nothing
     plan_gpus: int = 0                 # --dry_run: plan for this many GPUs (0: the torchrun world, else the paper's 80)
-    dist_timeout: float = 60.0         # seconds a rank waits on another before exiting with a message (> one eval)
+    dist_timeout: float = 60.0         # seconds a rank waits on another, then exits with a message (0: the plan's x 2)
     sync_bucket_mb: int = 1024         # weight updates reach the generator ranks in buckets of at most this many MB
     gpu_memory_utilization: float = 0.9  # a vLLM generator rank's share of its GPU (KV cache: what weights leave)
 
@@ -123,7 +124,7 @@ PAPER_8B = dict(model="Qwen/Qwen3-8B", task="polaris", n_train=60000, eval_promp
                 engine="vllm", batch_prompts=48, group_size=16, max_prompt=2048, think_min=10240, think_max=12288,
                 answer_budget=2048, slots=256, off_policy="pipeline", max_lag=8, decode_per_step=0, loss="cispo",
                 lr=5e-7, warmup_steps=100, adam_eps=1e-15, weight_decay=0.01, micro_batch_tokens=32768, act_ckpt=True,
-                gen_share=0.8, dist_timeout=1800.0)
+                gen_share=0.8, dist_timeout=0.0)
 
 # A hub model or path starts from these, not the tiny model's budgets (ours, not the paper's: choice): Qwen3-style
 # thinking cut to what one GPU makes in minutes, an LR between the paper's 5e-7 at 8B and small models', no warm start.
@@ -145,7 +146,7 @@ PRESETS = {
                   "act_ckpt": True, "slots": 48},                           # fits one 80 GB GPU (--dry_run)
     "8b": PAPER_8B,                                                          # 48 x 16, 14k generation (Table 1)
     "8b_32k": {**PAPER_8B, "think_min": 26624, "think_max": 28672,          # 32k generation length (Table 1);
-               "micro_batch_tokens": 40960, "dist_timeout": 5400.0},        # a full sequence; a 50-70 min eval
+               "micro_batch_tokens": 40960},                                # a micro-batch holds a full sequence
     "8b_batch2048": {**PAPER_8B, "batch_prompts": 2048, "max_steps": 1200},  # the 100k GPU-hour run (Fig. 1)
 }
 
@@ -211,8 +212,9 @@ def main(cfg):
             line += " | " + evaluate(step, policy)
         print0(line, flush=True)
         save = step % cfg.ckpt_every == 0 or step == cfg.max_steps or bad_run >= cfg.max_nonfinite or stop
-        # under torchrun a checkpoint has the rows of the evaluations before its step, never waiting for its own
-        evaluate.collect(until=step if save else 0)
+        # under torchrun a checkpoint has the rows of evaluations asked --eval_every steps before it or more (the plan
+        # holds that they end by then); a later one runs on beside the pipeline, its row lost if the run is killed
+        evaluate.collect(until=step - cfg.eval_every + 1 if save else 0)
         # after skipped steps the weights are still the last good ones
         if save:
             rundir.save_checkpoint(cfg, step, log.clock, source, job, policy, opt)

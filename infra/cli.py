@@ -36,10 +36,11 @@ BOUNDS = {"positive": (lambda v: v > 0, ("max_steps", "eval_every", "eval_prompt
                                          "n_layer", "n_embd", "n_head", "n_train", "sft_batch", "batch_prompts",
                                          "group_size", "think_min", "answer_budget", "slots", "micro_batch_tokens",
                                          "max_nonfinite", "max_prompt", "sync_bucket_mb")),
-          "> 0": (lambda v: v > 0, ("lr", "temperature", "eps_max", "grad_clip", "dist_timeout")),
-          ">= 0": (lambda v: v >= 0, ("sft_steps", "warmup_steps", "decode_per_step", "threads", "gen_ranks")),
+          "> 0": (lambda v: v > 0, ("lr", "temperature", "eps_max", "grad_clip")),
+          ">= 0": (lambda v: v >= 0, ("sft_steps", "warmup_steps", "decode_per_step", "threads", "gen_ranks",
+                                  "dist_timeout")),
           ">= 0, or -1 for --seed's": (lambda v: v >= -1, ("rl_seed",)),
-          "in (0, 1]": (lambda v: 0 < v <= 1, ("gpu_memory_utilization", "npr_threshold")),
+          "in (0, 1]": (lambda v: 0 < v <= 1, ("gpu_memory_utilization", "npr_threshold", "eval_share")),
           "in [0, 1]": (lambda v: 0 <= v <= 1, ("code_frac",)),
           "in [0, 1)": (lambda v: 0 <= v < 1, ("sft_error_rate",))}
 

@@ -12,7 +12,7 @@ publishes weights), ranks T..W-1 generate; a plain `python scalerl.py` is a worl
 """
 import contextlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 import atexit
 import json
@@ -67,10 +67,12 @@ def dist_init(gen_ranks=0, timeout=60.0, gen_share=0.5):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # one GPU per rank (NCCL needs it set first)
     dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
                             timeout=timedelta(seconds=max(timeout, 1800)))  # start-up only, long warm start included
-    # rank 0's generator count on every rank (infra.run.start may take it from the plan, which reads rank 0's files)
-    box = [gen_ranks]
+    # rank 0's generator count and time-out on every rank (infra.run.start may take them from the plan, which reads
+    # rank 0's files)
+    box = [gen_ranks, timeout]
     dist.broadcast_object_list(box, src=0)
-    trainers, generators = roles(world, box[0], gen_share)
+    gen_ranks, timeout = box
+    trainers, generators = roles(world, gen_ranks, gen_share)
     t, late = timedelta(seconds=timeout), timedelta(seconds=timeout + 60)  # late: NCCL's watchdog, after ours
     groups = dict(trainer=dist.new_group(trainers, timeout=late),
                   weights=dist.new_group([0] + generators, timeout=late))
@@ -254,27 +256,39 @@ class TrainerLink(BatchSource):
             self.pending = dist.broadcast(flat, src=0, group=self.job.groups["weights"], async_op=True)
         self._land()  # sync_s ends once every generator holds the weights, not when the last broadcast is queued
 
-    def ask_eval(self, version, seed, row):
+    def ask_eval(self, version, row):
         """Trainer rank 0: ask the generator ranks for the held-out pass rate of `version`, to log with `row`."""
         self.asked[version] = row
         with waiting_for(self.job, "the job's TCPStore (held-out request)"):
-            self.job.store.set(f"eval/{version}", str(seed))
+            self.job.store.set(f"eval/{version}", "")
 
     def evals(self, until=0):
-        """Trainer rank 0: [(row, results of every generator rank)] of the complete evaluations, in order, and within
-        the time-out those of versions before `until` (a checkpoint's rows before its step, the end's: all)."""
+        """Trainer rank 0: [(row, results, (first, last) version of their tokens)] of the complete evaluations, in
+        order, and those of versions before `until` waited for (a checkpoint's rows before its step; the end's: all)."""
         out = []
         for v in sorted(self.asked):
             keys = [f"eval/{v}/{rank}" for rank in self.job.generators]
             if not (v < until or self.job.store.check(keys)):
                 break
-            with waiting_for(self.job, f"the held-out pass rate of policy version {v} from generator ranks "
-                             f"{self.job.generators}"):
-                self.job.store.wait(keys, timedelta(seconds=self.job.timeout))
-            out.append((self.asked.pop(v), [r for key in keys for r in json.loads(self.job.store.get(key))]))
+            self._wait_generating(keys, f"the held-out pass rate of policy version {v} from generator ranks "
+                                  f"{self.job.generators}")
+            parts = [json.loads(self.job.store.get(key)) for key in keys]
+            versions = min(p["versions"][0] for p in parts), max(p["versions"][1] for p in parts)
+            out.append((self.asked.pop(v), [r for p in parts for r in p["results"]], versions))
             for key in keys + [f"eval/{v}"]:
                 self.job.store.delete_key(key)
         return out
+
+    def _wait_generating(self, keys, what):
+        """Wait for the store's `keys` as long as the generator ranks make tokens: an evaluation may take hours on a
+        few GPUs, longer than any fixed time-out; --dist_timeout without a new token ends the process."""
+        tokens, since = None, time.time()
+        while not self.job.store.check(keys):
+            if tokens != (tokens := counter(self.job, "gen_tokens")):
+                since = time.time()
+            elif time.time() - since > self.job.timeout:
+                gave_up(self.job, what, " (no token generated meanwhile)")
+            time.sleep(min(1.0, self.job.timeout / 10))
 
     def _land(self):
         if self.pending is not None:
@@ -292,7 +306,7 @@ class TrainerLink(BatchSource):
     def close(self):
         """The end of the run: generators stop after the last broadcast, their receivers with them."""
         if self.job.rank == 0:
-            counter(self.job, "stop", 1)
+            counter(self.job, "stop", 2)
             self._land()
             for rank, thread in zip(self.job.generators, self.threads):
                 thread.join(self.job.timeout)
@@ -316,12 +330,52 @@ def receive_weights(job, engine, version, bucket_bytes, take=True, bufs=None):
             engine.load_weights({n: x.view(t.shape) for x, (n, t, _) in zip(parts, run)}, version)
 
 
+class HeldOut:
+    """A generator rank's held-out evaluations, interleaved with its rollouts so that evaluation never stalls the
+    pipeline: an asked version's groups start in order within `cap` completions at once (--eval_share of the slots;
+    all of them once training is over), training groups fill the other slots. Weights keep landing in flight, so an
+    evaluation asked at version v may finish on later weights: its row logs the versions its tokens came from."""
+    def __init__(self, rollouts, templates, n, cap):
+        self.rollouts, self.templates, self.n, self.cap = rollouts, templates, n, max(n, cap)
+        self.todo, self.running, self.done, self.asked = [], {}, {}, 0  # (v, template); group -> v; v -> groups
+
+    def ask(self, v):
+        first = -1 - self.asked * len(self.templates)  # group ids of their own: evaluations may overlap
+        self.todo += [(v, replace(t, group=first - i)) for i, t in enumerate(self.templates)]
+        self.done[v], self.asked = [], self.asked + 1
+
+    def start(self, engine, everything=False):
+        while self.todo and engine.room >= self.n and (everything or (len(self.running) + 1) * self.n <= self.cap):
+            v, t = self.todo.pop(0)
+            self.running[t.group] = v
+            engine.add(t, self.n)
+
+    def take(self, finished):
+        """(the training groups among `finished`, [(v, its groups)] of the evaluations now complete)."""
+        train = []
+        for g in finished:
+            v = self.running.pop(g[0].group, None)
+            train.append(g) if v is None else self.done[v].append(g)
+        complete = [v for v, gs in self.done.items() if len(gs) == len(self.templates)]
+        return train, [(v, self.done.pop(v)) for v in complete]
+
+    def score(self, groups):
+        """Runs on the scoring thread: the evaluation's results (pipeline_rl.evaluate's) and its tokens' versions."""
+        self.rollouts.score(groups)
+        versions = [x for g in groups for s in g for x in s.versions] or [0]
+        return dict(results=[(s.meta.task, s.reward > 0, len(s.tokens)) for g in groups for s in g],
+                    versions=(min(versions), max(versions)))
+
+
 def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_path, save_every, bucket_bytes,
-                  evaluate):
-    """A generator rank until trainer rank 0 says stop. Each turn: take the published weights, evaluate a version asked
-    for (`evaluate(seed)` -> results), send the scored groups, admit groups under the lag bound, one engine step."""
+                  held_out=None):
+    """A generator rank until trainer rank 0 says stop. Each turn: take the published weights, note the versions asked
+    for evaluation (`held_out`), send the scored groups and held-out results, start held-out groups within their share
+    of the slots and training groups under the lag bound, one engine step. Stop 1: training is over, evaluations take
+    every slot; 2: stop."""
     engine, evaluated, bufs = rollouts.engine, set(), {}  # bufs: the reused receive buffer (vLLM)
-    scorer, scoring = ThreadPoolExecutor(1, thread_name_prefix="score"), []  # [(future, groups)] in finishing order
+    # [(future, groups, None) or (future, groups, evaluated version)] in finishing order
+    scorer, scoring = ThreadPoolExecutor(1, thread_name_prefix="score"), []
     # a resumed run starts at the checkpoint's version; next_group: taken from the counter, not started yet
     received, saved, next_group, idle_since = engine.version, None, None, None
     # the TCPStore is read, and this rank's counts added to it, every POLL_S, not every engine step (at most 6
@@ -336,19 +390,14 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
                     counts[key] = 0
             stop = counter(job, "stop")  # before the version: every broadcast published before the stop is received
             dropped = counter(job, "dropped")
-            # the last version received, then the new ones: each one's held-out pass rate if trainer rank 0 asked for
-            # it (it asks once it published the version), with its weights, between engine steps
+            # the last version received, then the new ones, each noted for evaluation if trainer rank 0 asked (it asks
+            # once it published the version)
             for v in range(received, counter(job, "version") + 1):
                 if v > received:
                     receive_weights(job, engine, v, bucket_bytes, take=mode == "pipeline" or v % k == 0, bufs=bufs)
-                if v not in evaluated and job.store.check([f"eval/{v}"]):
+                if held_out and v not in evaluated and job.store.check([f"eval/{v}"]):
                     evaluated.add(v)
-                    assert engine.version == v, (engine.version, v)  # infra.cli: PPO evaluates only versions it loads
-                    with waiting_for(job, "the job's TCPStore (held-out results)"):
-                        job.store.set(f"eval/{v}/{job.rank}", json.dumps(evaluate(int(job.store.get(f"eval/{v}")))))
-                    if engine.aside:  # training groups that finished during the evaluation
-                        scoring.append((scorer.submit(rollouts.score, engine.aside), engine.aside))
-                        engine.aside = []
+                    held_out.ask(v)
             received = v
         if received != saved and received % save_every == 0:
             tmp = state_path + ".tmp"
@@ -363,15 +412,21 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
                 die(f"{job.name} cannot write {state_path} ({first_line(e)}; {free / 1e6:.1f} MB free); free space "
                     "or fix its permissions, then --resume")
             saved = received
-        while scoring and (stop or scoring[0][0].done()):
-            future, groups = scoring.pop(0)
+        while scoring and (stop > 1 or scoring[0][0].done()):
+            future, groups, v = scoring.pop(0)
+            if v is not None:
+                with waiting_for(job, "the job's TCPStore (held-out results)"):
+                    job.store.set(f"eval/{v}/{job.rank}", json.dumps(future.result()))
+                continue
             future.result()
             for s in (s for g in groups for s in g):
                 s.meta = None  # the trainer needs tokens, logprobs, versions and rewards, not the problem
             send_groups(job, ([(rollouts.keep(g), g) for g in groups], rollouts.info()))
-        if stop:
+        if stop > 1:
             break
-        while engine.room > 0:
+        if held_out:
+            held_out.start(engine, everything=stop > 0)
+        while engine.room > 0 and not stop:
             if next_group is None:
                 next_group = counter(job, "admitted", 1) - 1
             if next_group >= admission_limit(mode, engine.version, k, batch_prompts, dropped):
@@ -380,7 +435,7 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
             next_group = None
         if not engine.busy:
             idle_since = idle_since or time.time()
-            if time.time() - idle_since > job.timeout:
+            if time.time() - idle_since > job.timeout and not stop:
                 gave_up(job, f"policy version {received + 1} from trainer rank 0",
                         " (the lag bound admits no new group before it)")
             time.sleep(0.002)
@@ -389,8 +444,11 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
         done = engine.step()
         counts["gen_us"] += int((time.time() - t) * 1e6)
         counts["gen_tokens"] += engine.stats["tokens"] - n
+        done, complete = held_out.take(done) if held_out else (done, [])
         if done:
-            scoring.append((scorer.submit(rollouts.score, done), done))
+            scoring.append((scorer.submit(rollouts.score, done), done, None))
+        for v, groups in complete:
+            scoring.append((scorer.submit(held_out.score, groups), groups, v))
     scorer.shutdown()
     send_groups(job, None)  # trainer rank 0's receiver for this rank stops
 

@@ -5,6 +5,7 @@ below for the presets' model); nothing is loaded or downloaded.
     python scalerl.py --config=8b --dry_run                 # the paper's 8B run on 80 GPUs
     python scalerl.py --config=8b --dry_run --plan_gpus=8   # the same recipe on one 8-GPU node
 """
+from dataclasses import replace
 import inspect
 import os
 import sys
@@ -19,6 +20,11 @@ KNOWN_SHAPES = {"Qwen/Qwen3-8B": (36, 4096, 12288, 32, 8, 128, 151936, False),
                 "Qwen/Qwen3-1.7B": (28, 2048, 6144, 16, 8, 128, 151936, True)}
 GB, GPU_GB, VLLM_SHARE = 1e9, 80, 0.9  # the GPUs planned for (80 GB: H100, A100); vLLM's gpu_memory_utilization
 CHUNK = inspect.signature(losses.token_logprobs).parameters["chunk"].default  # tokens per FP32-head chunk
+# The time estimates (choice, until a GPU has measured the path): an H100 SXM's dense bf16 and fp32 peaks (no TF32: the
+# FP32 head is true fp32 on both sides, Sec. 3.2; vLLM's VLLM_FLOAT32_MATMUL_PRECISION defaults to "highest") and HBM
+# bandwidth, at a share typical of FSDP training (MFU) and of memory-bound decoding; a completion's mean length half
+# its longest (the paper kept truncation under 5%); a wait must last MARGIN times the work it waits for.
+BF16_FLOPS, FP32_FLOPS, HBM_BYTES_S, MFU, BW_UTIL, MEAN_LEN, MARGIN = 989e12, 67e12, 3.35e12, 0.4, 0.5, 0.5, 2
 
 
 def model_shape(cfg):
@@ -139,6 +145,22 @@ def seq_len(cfg):
     return cfg.max_prompt + cfg.think_max + 24 + cfg.answer_budget  # 24: the interruption phrase, generously
 
 
+def settle(cfg, world, gpu_gb=GPU_GB):
+    """Trainer rank 0 at the start of a GPU job (infra.run.start), as --dry_run plans it: (generator ranks or 0 for
+    --gen_share's split, --dist_timeout, why the time-outs cannot hold or None). --dist_timeout=0 takes MARGIN x the
+    longest work a wait covers (at least 30 min)."""
+    shape = model_shape(cfg)
+    g = fitting_gen_ranks(cfg, world, gpu_gb) if not cfg.gen_ranks else cfg.gen_ranks
+    if shape is None:
+        return g or 0, cfg.dist_timeout or 1800.0, None
+    trainers, gens = dist.roles(world, g or 0, cfg.gen_share)
+    flight = min(cfg.slots, -(-(cfg.max_lag + 1) * cfg.batch_prompts * cfg.group_size // len(gens)))
+    t = timing(cfg, shape, world, len(trainers), len(gens), flight)
+    timeout = cfg.dist_timeout or max(1800.0, round(MARGIN * longest_wait(t)[1], -2) + 100)
+    return g or 0, timeout, timeout_problem(replace(cfg, dist_timeout=timeout), shape, world, len(trainers),
+                                            len(gens), flight)
+
+
 def fitting_gen_ranks(cfg, world, gpu_gb=GPU_GB):
     """Generator ranks for `world` GPUs of gpu_gb each: --gen_ranks, or --gen_share's split, or fewer generators
     where the trainer ranks would not fit beside them (0: no split fits; None: the model's shape is unknown)."""
@@ -146,6 +168,56 @@ def fitting_gen_ranks(cfg, world, gpu_gb=GPU_GB):
     if shape is None:
         return None
     return next((g for g in range(gens, 0, -1) if trainers_fit(cfg, shape, world, world - g, seq_len(cfg), gpu_gb)), 0)
+
+
+def timing(cfg, shape, world, T, G, flight):
+    """Estimated seconds of the work the job's waits cover: a trainer step (and its FP32 head's part), a generator's
+    engine step, the generation of one step's completions, the first group's, and a held-out evaluation."""
+    P, _, _, b, hb = sizes(cfg, shape)
+    L, H, I, nq, nkv, hd, V, tied = shape
+    gen_len = MEAN_LEN * (cfg.think_max + 24 + cfg.answer_budget)  # a completion's tokens, on average
+    seq = MEAN_LEN * cfg.max_prompt + gen_len
+    # trainer: 6 FLOPs a parameter a token (8 recomputing the forward), causal attention over half the sequence, the
+    # head's 6VH in its own precision
+    passes = 3 + cfg.act_ckpt
+    body = 2 * passes * (P - V * H * (1 + (not tied))) + passes * 4 * L * nq * hd * seq / 2
+    tokens = cfg.batch_prompts * cfg.group_size * seq / T
+    head = tokens * 6 * V * H / ((FP32_FLOPS if cfg.fp32_head else BF16_FLOPS) * MFU)
+    step = tokens * body / (BF16_FLOPS * MFU) + head
+    # a generator's engine step reads its weights and the running sequences' KV cache: memory-bound decoding
+    running = flight if world > 1 else min(cfg.slots, cfg.batch_prompts * cfg.group_size)
+    if world > 1 and cfg.engine == "vllm":
+        kv = columns(cfg, shape, world, T, seq_len(cfg))["generators"]["KV cache"]
+        running = max(1.0, min(running, kv / (kv_token(cfg, shape) * seq)))
+    weights = engine_rows(cfg, shape, 0)["engine weights"]
+    tick = (weights + running * seq * kv_token(cfg, shape)) / (HBM_BYTES_S * BW_UTIL)
+    rate = G * running / tick  # tokens a second over the generators
+    share = 1 - cfg.eval_share if world > 1 else 1
+    return dict(step=step, head=head, tick=tick, generation=cfg.batch_prompts * cfg.group_size * gen_len / (rate * share),
+                first_group=(cfg.think_max + 24 + cfg.answer_budget) * tick,
+                evaluation=cfg.eval_prompts * cfg.eval_samples * gen_len / (rate * (cfg.eval_share if world > 1 else 1)))
+
+
+def longest_wait(t):
+    """(what, seconds): the longest work a wait of the job covers, from `timing`."""
+    return max({"a trainer step (a generator idles at the lag bound meanwhile)": t["step"],
+                "one step's generation (trainer rank 0 gathers the batch meanwhile)": t["generation"],
+                "the first group (as long as its longest completion)": t["first_group"]}.items(), key=lambda x: x[1])
+
+
+def timeout_problem(cfg, shape, world, T, G, flight):
+    """Why --dist_timeout or --eval_every cannot hold this job (the arithmetic, one line), or None."""
+    t = timing(cfg, shape, world, T, G, flight)
+    what, longest = longest_wait(t)
+    if cfg.dist_timeout < MARGIN * longest:
+        return (f"--dist_timeout={cfg.dist_timeout:.0f} s is shorter than {MARGIN} x {what}: estimated "
+                f"{longest:,.0f} s on {T} trainer and {G} generator GPUs; give it at least {MARGIN * longest:,.0f}")
+    cycle = cfg.eval_every * max(t["step"], t["generation"])
+    if world > 1 and t["evaluation"] > cycle:
+        return (f"a held-out evaluation (estimated {t['evaluation']:,.0f} s with --eval_share={cfg.eval_share} of "
+                f"{G} generators' slots) outlasts --eval_every={cfg.eval_every} steps ({cycle:,.0f} s): evaluations "
+                "would queue up; raise --eval_share or --eval_every, or lower --eval_prompts")
+    return None
 
 
 def memory_lines(cfg, shape, world, T, seq, flight):
@@ -184,8 +256,14 @@ def plan(cfg):
     """--dry_run: what the run would do where, and the memory it needs per GPU, without loading anything."""
     shape = model_shape(cfg)
     world = cfg.plan_gpus or int(os.environ.get("WORLD_SIZE", 0)) or (1 if cfg.model == "tiny" else 80)
+    # the split and time-out the run takes (infra.run.start): --gen_share's split, or fewer generators where its trainer
+    # ranks do not fit; --dist_timeout=0: from the time estimates
+    g = None
+    if world > 1 and shape is not None:
+        g, timeout, _ = settle(cfg, world)
+        cfg = replace(cfg, dist_timeout=timeout)
     try:
-        trainers, gens = dist.roles(world, cfg.gen_ranks, cfg.gen_share) if world > 1 else ([0], [])
+        trainers, gens = dist.roles(world, g or cfg.gen_ranks, cfg.gen_share) if world > 1 else ([0], [])
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
@@ -218,9 +296,23 @@ def plan(cfg):
                    "that write (its default: 30 s, then SIGKILL), and\n    "
                    "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 to forward SIGUSR1 (by default it kills "
                    "torchrun itself)")
-    if world > 1 and not trainers_fit(cfg, shape, world, T, seq):  # fewer generators, more trainer ranks to shard
-        g = fitting_gen_ranks(cfg, world)
+    if g and not cfg.gen_ranks and g != len(dist.roles(world, 0, cfg.gen_share)[1]):
+        out.append(f"  generator ranks: {g}, not --gen_share's: the most whose trainer ranks fit {GPU_GB} GB GPUs")
+    elif world > 1 and not trainers_fit(cfg, shape, world, T, seq):
+        g = fitting_gen_ranks(replace(cfg, gen_ranks=0), world)
         out.append(f"  the trainer ranks do not fit: --gen_ranks={g} gives {world - g} trainer ranks, which do" if g
                    else "  the trainer ranks do not fit with any split of this world: more GPUs, or a smaller "
                         "--micro_batch_tokens")
+    t = timing(cfg, shape, world, T, G_, flight)
+    out.append(f"  time (estimated: H100 peaks at {MFU:.0%} MFU, decoding at {BW_UTIL:.0%} of HBM bandwidth, mean "
+               f"completion {MEAN_LEN:.0%} of the longest):\n    trainer step {t['step']:,.0f} s, of which the "
+               f"{'FP32' if cfg.fp32_head else 'LM'} head {t['head']:,.0f} s ({t['head'] / t['step']:.0%} of the step's time)")
+    if world > 1:
+        problem = timeout_problem(cfg, shape, world, T, G_, flight)
+        out += [f"    generation {t['generation']:,.0f} s a step over {G_} generators, first group {t['first_group']:,.0f} s, "
+                f"held-out evaluation {t['evaluation']:,.0f} s\n    (--eval_share={cfg.eval_share} of the slots, "
+                f"interleaved with rollouts; every {cfg.eval_every} steps = {cfg.eval_every * max(t['step'], t['generation']):,.0f} s)",
+                f"  time-outs: --dist_timeout={cfg.dist_timeout:,.0f} s " + (
+                    f"refused at start: {problem}" if problem else
+                    f"covers {MARGIN} x the longest work a wait covers ({max(t['step'], t['generation'], t['first_group']):,.0f} s)")]
     return "\n".join(out)

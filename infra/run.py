@@ -5,14 +5,15 @@ What it guarantees:
   --resume needs a checkpoint written by the same layout of ranks, and every rank resumes from rank 0's resume point.
 - An engine holds its own copy of the weights in the body dtype (an untied FP32 head stays fp32, Sec. 3.2), cast
   parameter by parameter while copied: never a second fp32 copy of the model on the device (vLLM's: on the CPU).
-- A held-out pass rate depends on the weights and the seed only (an engine of its own, re-seeded per step; vLLM on a
-  GPU: not the seed); under torchrun the generator ranks evaluate, and a checkpoint follows the rows of the
-  evaluations before its step.
+- In one process a held-out pass rate depends on the weights and the seed only (an engine of its own, re-seeded per
+  step). Under torchrun the generator ranks evaluate interleaved with their rollouts, never stalling the pipeline:
+  weights land in flight, and the row logs the versions its tokens came from (`eval_versions`); a checkpoint follows
+  the rows of the evaluations asked --eval_every steps before it or more (infra.plan refuses a GPU job whose
+  evaluation would outlast --eval_every steps).
 - The end: a preempted run checkpoints and exits 143, resumable, with no export; a run of non-finite steps exits with
   one line; otherwise the policy is exported to out_dir/hf and the run's own curve is fitted (Sec. 2.1).
 """
 import copy
-import functools
 import json
 import math
 import os
@@ -67,15 +68,19 @@ def start(cfg):
         rundir.check_run_dir(cfg)
     ckpt = rundir.load_checkpoint(ckpt_path) if cfg.resume and rank0 else None
     world = int(os.environ.get("WORLD_SIZE", 1))
-    if rank0 and world > 1 and not cfg.gen_ranks and torch.cuda.is_available():
-        # --gen_share's split, or fewer generator ranks where its trainer ranks would not fit these GPUs (the plan)
-        from infra.plan import fitting_gen_ranks
+    if rank0 and world > 1 and torch.cuda.is_available():
+        # as --dry_run plans it: --gen_share's split, or fewer generator ranks where its trainer ranks would not fit
+        # these GPUs; --dist_timeout=0 from the time estimates; time-outs shorter than the work they wait for refused
+        from infra.plan import settle
         gb = torch.cuda.get_device_properties(0).total_memory / 1e9
-        g = fitting_gen_ranks(cfg, world, gb)
-        if g and g != len(dist.roles(world, 0, cfg.gen_share)[1]):
+        g, cfg.dist_timeout, problem = settle(cfg, world, gb)
+        if problem:
+            fail(problem)
+        if g and not cfg.gen_ranks and g != len(dist.roles(world, 0, cfg.gen_share)[1]):
             cfg.gen_ranks = g
             print(f"generator ranks: {g} of {world}, not --gen_share's {cfg.gen_share}: the most whose trainer ranks "
                   f"fit {gb:.0f} GB GPUs (see --dry_run)")
+    cfg.dist_timeout = cfg.dist_timeout or 1800.0  # 0 on the CPU: no estimate
     try:
         job = dist.dist_init(cfg.gen_ranks, cfg.dist_timeout, cfg.gen_share)
     except ValueError as e:
@@ -247,7 +252,7 @@ class Evaluator:
             return ""
         seed = self.seed + 7919 * step
         if self.job.world > 1:
-            self.source.ask_eval(self.source.version, seed, dict(step=step, **self.log.clock))
+            self.source.ask_eval(self.source.version, dict(step=step, **self.log.clock))
             return "held-out evaluation asked of the generator ranks"
         with self.log.timer("evaluation"):
             self.engine.load_weights(policy.state(), self.source.version)
@@ -262,9 +267,9 @@ class Evaluator:
         version `until` waited for."""
         if self.job.rank != 0 or self.job.world == 1:
             return
-        for row, results in self.source.evals(until):
+        for row, results, versions in self.source.evals(until):
             pr = pipeline_rl.pass_rates(results, self.tasks)
-            self.log.write(dict(row, **pr, eval=True))
+            self.log.write(dict(row, **pr, eval_versions=versions, eval=True))
             print(f"step {row['step']:4d} | {held_out_line(pr, self.tasks)} (generator ranks)", flush=True)
 
 
@@ -280,11 +285,11 @@ def generator_rank(cfg, job, rollouts, val, resume):
         else:
             print(f"warning: {state_path} is missing: this generator rank restarts its curriculum", flush=True)
     mine = held_out(rollouts, val)[job.generators.index(job.rank)::len(job.generators)]
-    evaluate = functools.partial(pipeline_rl.evaluate, rollouts.engine, rollouts, mine, cfg.eval_samples)
+    evaluate = dist.HeldOut(rollouts, mine, cfg.eval_samples, round(cfg.eval_share * cfg.slots))
     rundir.Preemption.started = True
     dist.run_generator(job, rollouts, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
                        group_size=cfg.group_size, save_every=cfg.ckpt_every, state_path=state_path,
-                       bucket_bytes=cfg.sync_bucket_mb << 20, evaluate=evaluate)
+                       bucket_bytes=cfg.sync_bucket_mb << 20, held_out=evaluate)
     dist.dist_cleanup(job)
 
 

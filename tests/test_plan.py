@@ -32,7 +32,7 @@ def table(text, at=40, width=15):
     return rows, cells(lines[head]), rows.pop("verdict")
 
 
-@pytest.mark.parametrize("gpus, roles", [(8, ["trainer 0", "trainer 1", "generators"]),
+@pytest.mark.parametrize("gpus, roles", [(8, ["trainer 0", "trainers 1-2", "generators"]),
                                          (80, ["trainer 0", "trainers 1-15", "generators"])])
 def test_8b_plan_lists_every_row_and_a_verdict_per_role(gpus, roles):
     rows, names, verdicts = table(plan("--config=8b", f"--plan_gpus={gpus}"))
@@ -53,7 +53,7 @@ def test_act_ckpt_counts_the_checkpointed_activations():
 
 
 @pytest.mark.parametrize("argv", [("--config=8b", "--plan_gpus=2", "--gen_ranks=1"),  # 16 B/param on one GPU
-                                  ("--config=8b", "--plan_gpus=8"),  # 2 trainer ranks: 8 B/param each, unsharded
+                                  ("--config=8b", "--plan_gpus=8", "--gen_ranks=6"),  # 2 trainer ranks: 8 B/param
                                   ("--micro_batch_tokens=100000000",)])  # the tiny model, a huge micro-batch
 def test_a_configuration_that_cannot_fit_says_so(argv):
     _, _, verdicts = table(plan(*argv, "--act_ckpt"))
@@ -85,15 +85,50 @@ def test_the_sync_bucket_sets_the_sync_buffers_and_the_kv_cache():
     assert float(big["weight-sync buffers"][-1]) == pytest.approx(2 * 4096 * 2 ** 20 / 1e9, abs=0.1)
 
 
-def test_one_node_names_the_split_that_fits():
-    text = plan("--config=8b", "--plan_gpus=8")  # the paper's 80% generators leave 2 trainer ranks
+def test_one_node_plans_the_split_the_run_takes():
+    """The paper's 80% generators leave 2 trainer ranks on 8 GPUs, which do not fit: the plan takes the split a GPU run
+    takes (infra.run.start through plan.settle), and names the one that fits where --gen_ranks asks for another."""
+    text = plan("--config=8b", "--plan_gpus=8")
+    assert "generator ranks 3-7 (5, engine vllm)" in text and "does not fit" not in text
+    assert "generator ranks: 5, not --gen_share's" in text
+    text = plan("--config=8b", "--plan_gpus=8", "--gen_ranks=6")
     assert "does not fit" in text and "--gen_ranks=5 gives 3 trainer ranks, which do" in text
-    assert "does not fit" not in plan("--config=8b", "--plan_gpus=8", "--gen_ranks=5")
-    # what a GPU run takes when --gen_ranks is not given (infra/run.start): the share's split where it fits
     cfg = scalerl.parse_args(["--config=8b"])
     assert planner.fitting_gen_ranks(cfg, 8) == 5 and planner.fitting_gen_ranks(cfg, 80) == 64
     assert planner.fitting_gen_ranks(cfg, 8, gpu_gb=141) == 6  # an H200 node: 2 trainer ranks hold 97.6 GB each
     assert planner.fitting_gen_ranks(cfg, 2, gpu_gb=24) == 0  # no split fits
+    assert planner.settle(cfg, 8)[0] == 5 and planner.settle(cfg, 80)[0] == 64
+
+
+@pytest.mark.parametrize("preset", ["8b", "8b_32k", "8b_batch2048"])
+@pytest.mark.parametrize("gpus", [8, 80])
+def test_the_paper_presets_hold_their_time_outs(preset, gpus):
+    """No wait is shorter than the work it waits for: a preset's --dist_timeout=0 takes twice the longest estimated
+    work a wait covers, and the plan shows it with the step, generation and evaluation estimates."""
+    cfg = scalerl.parse_args([f"--config={preset}"])
+    g, timeout, problem = planner.settle(cfg, gpus)
+    assert problem is None and timeout >= 1800
+    text = plan(f"--config={preset}", f"--plan_gpus={gpus}")
+    assert f"time-outs: --dist_timeout={timeout:,.0f} s covers 2 x" in text and "held-out evaluation" in text
+
+
+def test_a_time_out_shorter_than_the_work_is_refused_with_the_arithmetic():
+    """The 100k GPU-hour run's step (2,048 prompts x 16) takes over an hour on 16 trainer GPUs: 30 min is refused; and
+    an evaluation that outlasts --eval_every steps would queue up."""
+    cfg = scalerl.parse_args(["--config=8b_batch2048", "--dist_timeout=1800"])
+    problem = planner.settle(cfg, 80)[2]
+    assert problem.startswith("--dist_timeout=1800 s is shorter than 2 x a trainer step") and "give it at least" in problem
+    assert "refused at start: --dist_timeout=1800 s" in plan("--config=8b_batch2048", "--dist_timeout=1800")
+    problem = planner.settle(scalerl.parse_args(["--config=8b", "--eval_every=1"]), 80)[2]
+    assert "outlasts --eval_every=1 steps" in problem
+
+
+def test_the_fp32_head_share_of_a_step_is_shown():
+    """The FP32 head's true fp32 matmuls (no TF32) are a large part of an 8B step: the plan prints the share."""
+    def head(*argv):
+        line = next(x for x in plan("--config=8b", *argv).splitlines() if "head" in x and "of which the" in x)
+        return float(line.split("(")[1].split("%")[0])
+    assert 30 < head() < 60 and head("--fp32_head=false") < 10
 
 
 @pytest.mark.parametrize("ckpt, measured_mib", [(False, 6109), (True, 1956)])

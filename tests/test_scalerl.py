@@ -78,7 +78,7 @@ BAD = [  # (argv, text the single error line must contain)
     (["--max_nonfinite=0"], "--max_nonfinite"),
     (["--ckpt_every=0"], "--ckpt_every"),
     (["--eval_samples=-1"], "--eval_samples"),
-    (["--dist_timeout=0"], "--dist_timeout"),
+    (["--dist_timeout=-1"], "--dist_timeout"),
 ]
 
 
