@@ -129,8 +129,8 @@ def tensor_bytes(obj):
 def export_hf(cfg, model, tok, weights):
     """The policy in the body dtype with its tokenizer, as a Hugging Face model directory out_dir/hf (vLLM reads it);
     the tokenizer's chat template gives the prompt the policy was trained on (training_template)."""
-    from transformers.utils import logging
-    logging.disable_progress_bar()
+    import transformers
+    transformers.utils.logging.disable_progress_bar()
     tok = training_template(tok, getattr(cfg, "instruction", ""))
     weights = {k: v.to(getattr(torch, cfg.dtype)) for k, v in weights.items()}
     path = os.path.join(cfg.out_dir, "hf")
