@@ -30,9 +30,10 @@ CHOICES = dict(dtype=("float32", "bfloat16"), engine=("torch", "vllm"), off_poli
                loss=tuple(losses.LOSSES), agg=("prompt", "sample", "token"), adv_norm=("batch", "prompt", "none"))
 
 # the numeric options' ranges: what a valid value is -> (its test, the options); NaN fails every test
-BOUNDS = {"> 0": (lambda v: v > 0, "max_steps eval_every eval_prompts eval_samples ckpt_every n_layer n_embd n_head "
-                   "n_train sft_batch batch_prompts group_size think_min answer_budget slots micro_batch_tokens "
-                   "max_nonfinite max_prompt sync_bucket_mb lr temperature eps_max grad_clip dist_timeout"),
+BOUNDS = {"positive": (lambda v: v > 0, "max_steps eval_every eval_prompts eval_samples ckpt_every n_layer n_embd "
+                        "n_head n_train sft_batch batch_prompts group_size think_min answer_budget slots "
+                        "micro_batch_tokens max_nonfinite max_prompt sync_bucket_mb"),
+          "> 0": (lambda v: v > 0, "lr temperature eps_max grad_clip dist_timeout"),
           ">= 0": (lambda v: v >= 0, "sft_steps warmup_steps decode_per_step threads gen_ranks"),
           ">= 0, or -1 for --seed's": (lambda v: v >= -1, "rl_seed"),
           "in (0, 1]": (lambda v: 0 < v <= 1, "gpu_memory_utilization npr_threshold"),
