@@ -12,12 +12,10 @@ from dataclasses import asdict, fields
 import difflib
 import importlib.util
 import inspect
-import io
 import json
 import os
 import re
 import textwrap
-import tokenize
 import typing
 
 import losses
@@ -32,17 +30,15 @@ CHOICES = dict(dtype=("float32", "bfloat16"), engine=("torch", "vllm"), off_poli
                loss=tuple(losses.LOSSES), agg=("prompt", "sample", "token"), adv_norm=("batch", "prompt", "none"))
 
 # the numeric options' ranges: what a valid value is -> (its test, the options); NaN fails every test
-BOUNDS = {"positive": (lambda v: v > 0, ("max_steps", "eval_every", "eval_prompts", "eval_samples", "ckpt_every",
-                                         "n_layer", "n_embd", "n_head", "n_train", "sft_batch", "batch_prompts",
-                                         "group_size", "think_min", "answer_budget", "slots", "micro_batch_tokens",
-                                         "max_nonfinite", "max_prompt", "sync_bucket_mb")),
-          "> 0": (lambda v: v > 0, ("lr", "temperature", "eps_max", "grad_clip")),
-          ">= 0": (lambda v: v >= 0, ("sft_steps", "warmup_steps", "decode_per_step", "threads", "gen_ranks",
-                                  "dist_timeout")),
-          ">= 0, or -1 for --seed's": (lambda v: v >= -1, ("rl_seed",)),
-          "in (0, 1]": (lambda v: 0 < v <= 1, ("gpu_memory_utilization", "npr_threshold", "eval_share")),
-          "in [0, 1]": (lambda v: 0 <= v <= 1, ("code_frac",)),
-          "in [0, 1)": (lambda v: 0 <= v < 1, ("sft_error_rate",))}
+BOUNDS = {"positive": (lambda v: v > 0, "max_steps eval_every eval_prompts eval_samples ckpt_every n_layer n_embd "
+                        "n_head n_train sft_batch batch_prompts group_size think_min answer_budget slots "
+                        "micro_batch_tokens max_nonfinite max_prompt sync_bucket_mb"),
+          "> 0": (lambda v: v > 0, "lr temperature eps_max grad_clip"),
+          ">= 0": (lambda v: v >= 0, "sft_steps warmup_steps decode_per_step threads gen_ranks dist_timeout"),
+          ">= 0, or -1 for --seed's": (lambda v: v >= -1, "rl_seed"),
+          "in (0, 1]": (lambda v: 0 < v <= 1, "gpu_memory_utilization npr_threshold eval_share"),
+          "in [0, 1]": (lambda v: 0 <= v <= 1, "code_frac"),
+          "in [0, 1)": (lambda v: 0 <= v < 1, "sft_error_rate")}
 
 
 def parse_args(argv, config_cls, presets):
@@ -53,18 +49,16 @@ def parse_args(argv, config_cls, presets):
     parser.add_argument("-h", "--help", action="store_true")
     parser.add_argument("--config", choices=presets)
     kinds = typing.get_type_hints(config_cls)
-    for f in fields(config_cls):
-        kind = dict(type=boolean, nargs="?", const=True) if kinds[f.name] is bool else dict(type=kinds[f.name])
-        parser.add_argument(f"--{f.name}", **kind)
+    for name, kind in kinds.items():
+        parser.add_argument(f"--{name}", **dict(type=boolean, nargs="?", const=True) if kind is bool else dict(type=kind))
     # --max-steps=7 is --max_steps=7
     words = [re.sub(r"^--[^=]+", lambda m: "--" + m[0][2:].replace("-", "_"), word) for word in argv]
-    given, extra = parser.parse_known_args(words)
-    over = vars(given)
+    over, extra = parser.parse_known_args(words)
+    over = vars(over)
     preset = over.pop("config", None)
-    # tiny budgets never reach a real model
+    # tiny budgets never reach a real model; --help shows the defaults this command line starts from
     model = over.get("model", presets[preset or "tiny"].get("model", "tiny"))
     base = preset or ("tiny" if model == "tiny" else "hub")
-    # --help shows the defaults this command line starts from: --config's preset, or "hub" for a --model
     if over.pop("help", False):
         print(help_text(config_cls, presets, base, model), end="")
         raise SystemExit(0)
@@ -93,17 +87,16 @@ def boolean(text):
 def comments(config_cls):
     """{field: (section, comment)} from the class source: a field's trailing comment and the comment-only lines
     indented under it; a comment-only line at the fields' own indent starts a section."""
-    names = {f.name for f in fields(config_cls)}
-    out, section, field, indent = {}, "", None, 0
-    for tok in tokenize.generate_tokens(io.StringIO(textwrap.dedent(inspect.getsource(config_cls))).readline):
-        first_on_line = not tok.line[:tok.start[1]].strip()
-        if tok.type == tokenize.NAME and tok.string in names and first_on_line:
-            field, indent = tok.string, tok.start[1]
-            out[field] = (section, "")
-        elif tok.type == tokenize.COMMENT and field and (not first_on_line or tok.start[1] > indent):
-            out[field] = (section, f"{out[field][1]} {tok.string[1:].strip()}".strip())
-        elif tok.type == tokenize.COMMENT:
-            section, field = tok.string[1:].strip(), None
+    names, out, section, field, indent = typing.get_type_hints(config_cls), {}, "", None, 0
+    for line in inspect.getsource(config_cls).splitlines():
+        code, _, comment = line.partition("#")
+        name, at, comment = code.partition(":")[0].strip(), len(line) - len(line.lstrip()), comment.strip()
+        if name in names:
+            field, indent, out[name] = name, at, (section, comment)
+        elif not code.strip() and field and at > indent:
+            out[field] = (section, f"{out[field][1]} {comment}".strip())
+        elif not code.strip() and comment:
+            section, field = comment, None
     return out
 
 
@@ -147,7 +140,7 @@ def validate(cfg):
         if getattr(cfg, k) not in ok:
             fail(f"--{k}={getattr(cfg, k)!r} is not one of: {', '.join(ok)}")
     for bound, (ok, keys) in BOUNDS.items():
-        for k in keys:
+        for k in keys.split():
             if not ok(getattr(cfg, k)):
                 fail(f"--{k} must be {bound}, got {getattr(cfg, k)}")
     if len(set(cfg.task.split("+"))) < len(cfg.task.split("+")):

@@ -1,8 +1,8 @@
 """infra/rundir.py: the run directory, out/<run>/, kept by trainer rank 0 (checkpoint shards by every trainer rank).
 
 What it guarantees:
-- One live run per directory: an exclusive lock (out_dir/.lock, holding the pid) taken before anything is written,
-  released by the OS however the process ends; a fresh start refuses a directory that holds a run.
+- One live run per directory: an exclusive flock on out_dir/.lock (the file names the pid) taken before anything is
+  written, released by the OS however the process ends; a fresh start refuses a directory that holds a run.
 - Files are replaced atomically: a kill at any moment leaves the last good ckpt.pt, config.json, hf/ or shards-<step>/
   (under torchrun ckpt.pt is written last, naming a complete set of shards).
 - A write failing for lack of space or permission ends the run with one line (path, bytes needed, free); what was
@@ -33,43 +33,43 @@ import data
 from infra import dist, fail, first_line, print0
 from infra.sandbox import sandbox_description
 
-# run directory -> descriptor of this process's lock on it (kept open: closing it releases the lock)
+# run directory -> this process's open out_dir/.lock (closing it would release the lock)
 HELD = {}
 
 
-def lock_run_dir(out_dir):
-    """Takes out_dir/.lock (an exclusive flock holding the pid) for as long as this process lives."""
-    if os.path.realpath(out_dir) in HELD:  # this process holds it already (a run started again in-process)
+def lock_run_dir(out_dir, hold=True):
+    """Takes out_dir/.lock for as long as this process lives, writing our pid into it; hold=False only tries an
+    existing one and lets it go. A live run holding it stops this one with one line naming its pid."""
+    path = os.path.join(out_dir, ".lock")
+    if os.path.realpath(out_dir) in HELD or not (hold or os.path.exists(path)):
         return
     os.makedirs(out_dir, exist_ok=True)
-    fd = os.open(os.path.join(out_dir, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
-    refuse_if_live(out_dir, fd)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    HELD[os.path.realpath(out_dir)] = fd
-
-
-def refuse_if_live(out_dir, fd):
-    """Takes the flock on `fd` (out_dir/.lock), or stops with one line naming the live run that holds it."""
+    f = open(path, "a+" if hold else "r")
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        for _ in range(40):  # the holder writes its pid just after it takes the lock
-            if holder := os.pread(fd, 32, 0).decode(errors="replace").strip():
+        # the holder writes its pid just after it takes the lock
+        for _ in range(40):
+            if holder := pathlib.Path(path).read_text().strip():
                 break
             time.sleep(0.05)
         fail(f"run directory {out_dir} is in use by a live run (pid {holder}); wait for it or stop it, or pick another "
              "--out_dir")
+    if not hold:
+        return f.close()
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    HELD[os.path.realpath(out_dir)] = f
 
 
 def check_run_dir(cfg):
     """A fresh start refuses a directory that holds a run (a checkpoint, or logged steps); --resume needs ckpt.pt. A
     live run's directory and one that cannot be written are refused too, all before anything is written or said."""
-    lock, here = os.path.join(cfg.out_dir, ".lock"), os.path.abspath(cfg.out_dir)
-    if os.path.realpath(cfg.out_dir) not in HELD and os.path.exists(lock):
-        with open(lock) as f:  # only tried here, and released: the run takes the lock once it writes
-            refuse_if_live(cfg.out_dir, f.fileno())
-    while not os.path.exists(here):  # the folder, or the first one above it that exists (a fresh run makes it)
+    lock_run_dir(cfg.out_dir, hold=False)
+    # the folder, or the first one above it that exists (a fresh run makes it)
+    here = os.path.abspath(cfg.out_dir)
+    while not os.path.exists(here):
         here = os.path.dirname(here)
     if not os.access(here, os.W_OK):
         fail(f"cannot write run directory {cfg.out_dir}: {here} is read-only or not ours; pick a writable --out_dir")
@@ -129,8 +129,8 @@ def tensor_bytes(obj):
 def export_hf(cfg, model, tok, weights):
     """The policy in the body dtype with its tokenizer, as a Hugging Face model directory out_dir/hf (vLLM reads it);
     the tokenizer's chat template gives the prompt the policy was trained on (training_template)."""
-    from transformers.utils import logging
-    logging.disable_progress_bar()
+    import transformers
+    transformers.utils.logging.disable_progress_bar()
     tok = training_template(tok, getattr(cfg, "instruction", ""))
     weights = {k: v.to(getattr(torch, cfg.dtype)) for k, v in weights.items()}
     path = os.path.join(cfg.out_dir, "hf")
@@ -306,7 +306,7 @@ class Log:
 
     def open(self, step, clock, model, tok, train, val, tasks):
         """The loop's clocks start; on trainer rank 0 the lock, the directory checked again (a run started beside this
-        one may have got there first), its files, --tracker (in out_dir, or W&B project "scalerl"), the summary."""
+        one may have got there first), its files, --tracker (in out_dir, or W&B project "scalerl"), the header."""
         cfg, job, B, G = self.cfg, self.job, self.cfg.batch_prompts, self.cfg.group_size
         self.clock, self.tasks, self.idle = clock, tasks, 0
         self.task_of = {p.id: p.task for p in train} if len(tasks) > 1 else {}
@@ -325,18 +325,16 @@ class Log:
         text = "".join(json.dumps(r) + "\n" for r in rows)
         write_atomic(self.path, lambda tmp: pathlib.Path(tmp).write_text(text), len(text))
         self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
-        # config.json: options, versions, git hash, ranks, and a history entry per (re)start
+        # config.json: options, versions, git hash (None without git), ranks, and a history entry per (re)start
+        modules = ["torch", "transformers"] + ["vllm"] * (cfg.engine == "vllm")
+        git = subprocess.run("git rev-parse --short HEAD", shell=True, capture_output=True, text=True,
+                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
         old = json.load(open(meta_path)) if cfg.resume and os.path.exists(meta_path) else {}
-        modules = ["torch", "transformers"] + (["vllm"] if cfg.engine == "vllm" else [])
-        versions = dict(python=sys.version.split()[0], **{m: __import__(m).__version__ for m in modules})
-        git = None
-        with contextlib.suppress(Exception):  # no git is fine: the hash is informational
-            git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                                 cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
         n_params = sum(p.numel() for p in model.parameters())
-        history = old.get("history", []) + [dict(step=step, time=time.strftime("%Y-%m-%d %H:%M:%S"), argv=sys.argv[1:])]
-        meta = dict(config=asdict(cfg), versions=versions, git=git, n_params=n_params, vocab=len(tok),
-                    ranks=dict(trainers=job.trainers, generators=job.generators), history=history)
+        meta = dict(config=asdict(cfg), versions=dict(python=sys.version.split()[0], **{
+            m: __import__(m).__version__ for m in modules}), git=git, n_params=n_params, vocab=len(tok),
+                    ranks=dict(trainers=job.trainers, generators=job.generators), history=old.get("history", []) + [
+                        dict(step=step, time=time.strftime("%Y-%m-%d %H:%M:%S"), argv=sys.argv[1:])])
         write_atomic(meta_path, lambda tmp: pathlib.Path(tmp).write_text(json.dumps(meta, indent=1)))
         if cfg.tracker == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
@@ -408,19 +406,16 @@ class Log:
                    bad_prompts=gen["bad_prompts"])
         # with several tasks: the mean reward of each task's completions
         for t in dict.fromkeys(self.task_of.values()):
-            mine = [s.reward for s in samples if self.task_of[s.prompt_id] == t]
-            if mine:
+            if mine := [s.reward for s in samples if self.task_of[s.prompt_id] == t]:
                 row[f"reward_{t}"] = np.mean(mine)
         self.write(row)
-        # no group with a learning signal for 5 steps in a row
+        # no group with a learning signal for 5 steps in a row: the likeliest reason
         self.idle = self.idle + 1 if row["zero_var_frac"] == 1 else 0
         if self.idle == 5:
-            if row["trunc_rate"] > 0.5:
-                why = f"{row['trunc_rate']:.0%} of completions hit the length budget: raise --think_max/--answer_budget"
-            elif row["reward"] < 0:
-                why = "every completion failed: check the answer format the task's checker reads and --answer_key"
-            else:
-                why = "every completion passed: the prompts are too easy for this model; pick a harder --task"
+            why = (f"{row['trunc_rate']:.0%} of completions hit the length budget: raise --think_max/--answer_budget"
+                   if row["trunc_rate"] > 0.5 else "every completion failed: check the answer format the task's "
+                   "checker reads and --answer_key" if row["reward"] < 0 else "every completion passed: the prompts "
+                   "are too easy for this model; pick a harder --task")
             print(f"warning: no learning signal for 5 steps (every group zero-variance): {why}", flush=True)
         spent = time.time() - self.t_loop - self.took["evaluation"] + self.eval_0
         eta = spent / (step - self.first) * (cfg.max_steps - step)

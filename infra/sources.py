@@ -16,6 +16,7 @@ import difflib
 import importlib.util
 import json
 import os
+import pathlib
 import random
 import select
 import subprocess
@@ -67,13 +68,7 @@ for line in sys.stdin:
 class _MathWorker:
     """Math-Verify in a child process, ~1-5 ms a check. Its time-outs need the main thread and SymPy can hold the GIL
     in one C call (9^{9^{9^9}}), so a check past its deadline kills the child; the next check starts one (~1 s)."""
-
-    def __init__(self):
-        self.proc, self.lock = None, threading.Lock()
-
-    def _read(self, timeout):
-        ready = select.select([self.proc.stdout], [], [], timeout)[0]
-        return self.proc.stdout.readline().strip() if ready else None
+    proc, lock = None, threading.Lock()
 
     def stop(self):
         if self.proc is not None:
@@ -82,17 +77,19 @@ class _MathWorker:
         self.proc = None
 
     def check(self, problem, text, timeout):
+        def read(seconds):
+            return self.proc.stdout.readline().strip() if select.select([self.proc.stdout], [], [], seconds)[0] else None
         with self.lock:
             try:
                 if self.proc is None or self.proc.poll() is not None:
                     self.proc = subprocess.Popen([sys.executable, "-c", _MATH_WORKER_LOOP], stdin=subprocess.PIPE,
                                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, encoding="utf-8")
-                    if self._read(120.0) != "ready":
-                        raise RuntimeError("math-verify worker did not start; is math-verify installed?")
+                    if read(120.0) != "ready":
+                        raise OSError("the math-verify worker did not start; is math-verify installed?")
                 # answers are short; the tail keeps a final \boxed{} of a long one
                 print(json.dumps([problem.answer, text[-2000:]]), file=self.proc.stdin, flush=True)
-                out = self._read(timeout)
-            except (OSError, RuntimeError, ValueError):
+                out = read(timeout)
+            except (OSError, ValueError):
                 out = None
             if out is None:  # too slow or dead: start over on the next check
                 self.stop()
@@ -146,39 +143,27 @@ PRESETS = {  # name -> (hub dataset, config, question column, answer column, ans
 FILE_TYPES = (".json", ".jsonl", ".parquet")
 
 
-def _read_rows(source, path, hub, config, split):
-    """The rows of the local file `path`, or when it is None of the hub dataset (offline: from the local cache)."""
-    if path is None:
-        import datasets
-        try:
-            return list(datasets.load_dataset(hub, config, split=split))
-        except Exception as e:  # offline, unreachable or unknown: one actionable line
-            raise ValueError(f"cannot load dataset {source!r} (hub: {hub}): {first_line(e)}. Provide it locally: "
-                             f"save it as .json/.jsonl/.parquet and pass --data_path=FILE (or the file as the "
-                             f"source)") from None
+def _read_file(path):
+    """A local file's rows; a file that is not a list of records names itself and, where it can, the line."""
     if not path.endswith(FILE_TYPES) or not os.path.isfile(path):
         why = "does not exist" if path.endswith(FILE_TYPES) else "is not a .json, .jsonl or .parquet file"
         raise ValueError(f"dataset file {path!r} {why}")
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
         return pq.read_table(path).to_pylist()
-    with open(path, "rb") as f:
-        raw = f.read()
-    jsonl, n = path.endswith(".jsonl"), 0  # n: the line being read, which errors name
+    raw, jsonl, n = pathlib.Path(path).read_bytes(), path.endswith(".jsonl"), 0  # n: the line being read
     try:
-        if not jsonl:
-            rows = json.loads(raw.decode("utf-8"))
-        else:
-            rows = []
-            for n, line in enumerate(raw.splitlines(), 1):
-                if line.strip():
-                    rows.append(json.loads(line.decode("utf-8")))
+        text = raw.decode("utf-8")
+        rows = [] if jsonl else json.loads(text)
+        for n, line in enumerate(text.split("\n") if jsonl else [], 1):
+            if line.strip():
+                rows.append(json.loads(line))
+    except UnicodeDecodeError as e:
+        n = raw[:e.start].count(b"\n") + 1
+        raise ValueError(f"{path!r} line {n}: not UTF-8 text ({e.reason}); save the file as UTF-8") from None
     except json.JSONDecodeError as e:
         what = "one {column: value} object per line" if jsonl else "a list of {column: value} objects"
         raise ValueError(f"{path!r} line {n or e.lineno}: not valid JSON ({e.msg}); expected {what}") from None
-    except UnicodeDecodeError as e:
-        n = n or raw[:e.start].count(b"\n") + 1
-        raise ValueError(f"{path!r} line {n}: not UTF-8 text ({e.reason}); save the file as UTF-8") from None
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise ValueError(f"{path!r}: expected a list of records, one {{column: value}} object per row")
     if not rows:
@@ -186,21 +171,31 @@ def _read_rows(source, path, hub, config, split):
     return rows
 
 
-def _dataset_problems(source, data_path, prompt_key, answer_key, kw):
-    """A preset's, hub dataset's or file's problems; a row without a question or a checkable answer is skipped."""
+def _dataset_problems(source, data_path=None, prompt_key=None, answer_key=None, trace_key=None, config=None,
+                      split="train"):
+    """A preset's, hub dataset's or file's problems (trace_key: a column of worked solutions, in place of the answer's
+    own); a row without a question or a checkable answer is skipped."""
     is_file = source.endswith(FILE_TYPES)
     if source not in PRESETS and not is_file and ("/" not in source or os.path.exists(source)):
         raise ValueError(f"unknown source {source!r}: expected arith, code, rg:<task> (a reasoning-gym task), a preset "
                          f"({', '.join(PRESETS)}; --data_path=FILE reads a local copy), a hub dataset owner/name or a "
                          f"file path ending .json/.jsonl/.parquet")
-    hub, config, prompt_col, answer_col, parse = PRESETS.get(source, (source, None, "problem", "answer", _gsm8k_answer))
-    rows = _read_rows(source, data_path or (source if is_file else None), hub, kw.get("config", config),
-                      kw.get("split", "train"))
+    hub, hub_config, prompt_col, answer_col, parse = PRESETS.get(source, (source, None, "problem", "answer",
+                                                                          _gsm8k_answer))
+    if data_path or is_file:
+        rows = _read_file(data_path or source)
+    else:
+        import datasets
+        try:  # offline: from the local cache
+            rows = list(datasets.load_dataset(hub, config or hub_config, split=split))
+        except Exception as e:  # offline, unreachable or unknown: one actionable line
+            raise ValueError(f"cannot load dataset {source!r} (hub: {hub}): {first_line(e)}. Provide it locally: "
+                             f"save it as .json/.jsonl/.parquet and pass --data_path=FILE (or the file as the "
+                             f"source)") from None
     code = parse is None or rows and "tests" in rows[0] and answer_key in (None, "tests")  # DeepCoder-style
     if not code and importlib.util.find_spec("math_verify") is None:  # else every math reward would quietly fail
         raise ValueError(f"source {source!r} is checked with math-verify: pip install math-verify")
     prompt_key, answer_key = prompt_key or prompt_col, answer_key or ("tests" if code else answer_col)
-    trace_key = kw.get("trace_key")  # a column of worked solutions, in place of the answer's own
     for key in (prompt_key, answer_key):  # in any row: a row without it is skipped and counted below
         if rows and not any(key in r for r in rows):
             raise ValueError(f"dataset {source!r} has no column {key!r}; columns: {sorted(rows[0])}; pass "
@@ -247,28 +242,24 @@ def _reasoning_gym(source, size, seed, options):
     return problems
 
 
-def load_problems(source, n_val=1000, seed=0, n_train=None, prompt_key=None, answer_key=None, data_path=None,
-                  rg_options=None, **kw):
+def load_problems(source, n_val=1000, seed=0, n_train=None, **kw):
     """(train, val) lists of Problem. source: "arith" or "code" (kw: levels, error_rate), "rg:<task>" (its options
     as rg_options={...} or kw), both with n_train 5000 by default; a preset (data_path=FILE: a local copy), a hub
-    "owner/name" or a .json/.jsonl/.parquet file (prompt_key, answer_key, kw trace_key: columns; kw config, split)."""
-    rg = source.startswith("rg:")
-    allowed = (("levels", "error_rate") if source in ("arith", "code") else ("rg_options",) if rg else
-               ("prompt_key", "answer_key", "data_path", "config", "split", "trace_key"))
-    given = {k for k, v in dict(prompt_key=prompt_key, answer_key=answer_key, data_path=data_path,
-                                rg_options=rg_options).items() if v is not None} | (set() if rg else set(kw))
-    if given - set(allowed):
-        raise ValueError(f"unknown options for source {source!r}: {sorted(given - set(allowed))}; expected "
-                         f"{', '.join(allowed)}")
+    "owner/name" or a .json/.jsonl/.parquet file (kw: prompt_key, answer_key, trace_key, config, split, data_path)."""
+    rg, file_keys = source.startswith("rg:"), ("prompt_key", "answer_key", "data_path", "config", "split", "trace_key")
+    allowed = ("levels", "error_rate") if source in ("arith", "code") else ("rg_options",) if rg else file_keys
+    wrong = sorted(k for k in kw if (k in file_keys if rg else k not in allowed))
+    if wrong:
+        raise ValueError(f"unknown options for source {source!r}: {wrong}; expected {', '.join(allowed)}")
     n_train = 5000 if n_train is None and (rg or source in ("arith", "code")) else n_train  # generated sources
     if source in ("arith", "code"):
         make = data.arith_problems if source == "arith" else data.code_problems
         val = make(n_val, seed, split="val", start_id=0, **kw)
         return make(n_train, seed, split="train", start_id=n_val, **kw), val
     if rg:
-        problems = _reasoning_gym(source, n_val + n_train, seed, {**(rg_options or {}), **kw})
+        problems = _reasoning_gym(source, n_val + n_train, seed, {**(kw.pop("rg_options", None) or {}), **kw})
     else:
-        problems = _dataset_problems(source, data_path, prompt_key, answer_key, kw)
+        problems = _dataset_problems(source, **kw)
     if len(problems) <= n_val:
         raise ValueError(f"source {source!r} has {len(problems)} usable prompts; holding out {n_val} for evaluation "
                          f"leaves none for training; pass a smaller --eval_prompts")
