@@ -173,8 +173,7 @@ def fitting_gen_ranks(cfg, world, gpu_gb=GPU_GB):
 def timing(cfg, shape, world, T, G, flight):
     """Estimated seconds of the work the job's waits cover: a trainer step (and its FP32 head's part), a generator's
     engine step, the generation of one step's completions, the first group's, and a held-out evaluation."""
-    P, _, _, b, hb = sizes(cfg, shape)
-    L, H, I, nq, nkv, hd, V, tied = shape
+    P, (L, H, _, nq, _, hd, V, tied) = sizes(cfg, shape)[0], shape
     gen_len = MEAN_LEN * (cfg.think_max + 24 + cfg.answer_budget)  # a completion's tokens, on average
     seq = MEAN_LEN * cfg.max_prompt + gen_len
     # trainer: 6 FLOPs a parameter a token (8 recomputing the forward), causal attention over half the sequence, the
@@ -191,11 +190,11 @@ def timing(cfg, shape, world, T, G, flight):
         running = max(1.0, min(running, kv / (kv_token(cfg, shape) * seq)))
     weights = engine_rows(cfg, shape, 0)["engine weights"]
     tick = (weights + running * seq * kv_token(cfg, shape)) / (HBM_BYTES_S * BW_UTIL)
-    rate = G * running / tick  # tokens a second over the generators
-    share = 1 - cfg.eval_share if world > 1 else 1
-    return dict(step=step, head=head, tick=tick, generation=cfg.batch_prompts * cfg.group_size * gen_len / (rate * share),
-                first_group=(cfg.think_max + 24 + cfg.answer_budget) * tick,
-                evaluation=cfg.eval_prompts * cfg.eval_samples * gen_len / (rate * (cfg.eval_share if world > 1 else 1)))
+    # tokens a second over the generators; under torchrun an evaluation takes --eval_share of them, rollouts the rest
+    rate, share = G * running / tick, cfg.eval_share
+    return dict(step=step, head=head, tick=tick, first_group=(cfg.think_max + 24 + cfg.answer_budget) * tick,
+                generation=cfg.batch_prompts * cfg.group_size * gen_len / (rate * (1 - share)),
+                evaluation=cfg.eval_prompts * cfg.eval_samples * gen_len / (rate * share))
 
 
 def longest_wait(t):
