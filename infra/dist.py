@@ -236,11 +236,12 @@ class TrainerLink(BatchSource):
     def _dropped(self):
         counter(self.job, "dropped", 1)
 
-    def push_weights(self, policy):
-        """Every trainer rank takes part in the gathers of `policy.weights()`; trainer rank 0 broadcasts them."""
+    def push_weights(self, policy, publish=True):
+        """Every trainer rank takes part in the gathers of `policy.weights()`; trainer rank 0 broadcasts them. Not
+        `publish`: a stop was read, so no wait on a generator rank; the step's checkpoint holds its weights."""
         self.version += 1
-        weights = policy.weights()
-        if self.job.rank != 0:
+        weights = policy.weights() if publish else ()
+        if self.job.rank != 0 or not publish:
             for _ in weights:
                 pass
             return
