@@ -237,8 +237,7 @@ class TrainerLink(BatchSource):
         counter(self.job, "dropped", 1)
 
     def push_weights(self, policy, publish=True):
-        """Every trainer rank takes part in the gathers of `policy.weights()`; trainer rank 0 broadcasts them. Not
-        `publish`: a stop was read, so no wait on a generator rank; the step's checkpoint holds its weights."""
+        """Trainer rank 0 broadcasts `policy.weights()`, gathered by every trainer rank; none once a stop is read."""
         self.version += 1
         weights = policy.weights() if publish else ()
         if self.job.rank != 0 or not publish:

@@ -120,10 +120,9 @@ def shared_run_dir(cfg, job):
 
 
 def place(cfg, job, model, ckpt, resume):
-    """The checkpoint's weights replace the warm start's or the hub's: one process's from ckpt.pt, a generator rank's
-    in full from the shards on the shared run directory (a trainer rank reads its own shard in `restore`; nothing is
-    broadcast, at 8B 32.8 GB to each rank); a fresh tiny run takes rank 0's warm start. A generator rank's model stays
-    on the CPU (its engine takes a copy)."""
+    """The checkpoint's weights replace the warm start's or the hub's, read by each rank (a broadcast sent 33 GB to each
+    at 8B): a generator rank's in full from the shards (torch/distributed/checkpoint/state_dict_loader.py:125, no_dist),
+    a trainer rank's shard in `restore`. A generator rank's model stays on the CPU (its engine takes a copy)."""
     if resume and (job.world == 1 or job.rank in job.generators):
         rundir.load_weights(model, ckpt or resume, cfg.out_dir)
     elif cfg.model == "tiny" and not resume:
@@ -192,8 +191,7 @@ def policy(cfg, job, model, tok):
 
 
 def restore(cfg, ckpt, resume, job, policy, opt, source):
-    """(step, clock): on --resume, the optimizer (under torchrun the weights too), the batch source's counters and in
-    one process the generating side."""
+    """(step, clock): on --resume the trainer's state, the source's counters, in one process the generating side."""
     clock = {k: ckpt.get(k, 0.0) if ckpt else 0.0 for k in ("device_hours", "cpu_hours")}
     if not resume:
         return 0, clock
@@ -292,11 +290,10 @@ def generator_rank(cfg, job, rollouts, val, resume):
 
 
 def finish(cfg, job, step, bad_run, stop, saved, source, evaluate, policy, opt, model, tok, log):
-    """A stop's checkpoint (unless `saved`), the last evaluations logged, the generators stopped, the policy exported,
-    the summary, and the sigmoid fit of the run's own curve (Sec. 2.1), one per task (Sec. 7), with curve.png."""
+    """A stop's checkpoint (unless `saved`), then the evaluations of published versions logged, the generators stopped,
+    the policy exported, the summary, and the sigmoid fit of the run's own curve (Sec. 2.1), one per task (Sec. 7)."""
     if stop and not saved:
         rundir.save_checkpoint(cfg, step, log.clock, source, job, policy, opt)
-    # once checkpointed, a stop waits for the evaluations of published versions (its own step's was not)
     evaluate.collect(until=step if stop else math.inf)
     source.close()
     # under torchrun: summed over the generator ranks

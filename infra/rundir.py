@@ -166,12 +166,10 @@ def training_template(tok, instruction):
 
 
 class Preemption:
-    """SIGTERM, SIGUSR1, SIGINT and SIGHUP (SLURM with --signal, Kubernetes, preemptible clouds; torchrun forwards the
-    one it gets) set `signal`; in one process a second one exits at once. Under torchrun a repeat is ignored: slurmd
-    signals every process of the job step and torchrun forwards its own to each rank
-    (torch/distributed/elastic/agent/server/api.py:752), so each rank gets it twice; torchrun's --shutdown-timeout
-    ends in SIGKILL. Generator ranks keep generating until the trainer ends the job. Before the run has started
-    (loading, the warm start: nothing of the run written yet) the first one stops at once."""
+    """SIGTERM, SIGUSR1, SIGINT, SIGHUP (SLURM, Kubernetes, preemptible clouds) set `signal`; in one process a second
+    one exits at once, under torchrun it is the same stop: slurmd signals every process and torchrun forwards its own
+    (torch/distributed/elastic/agent/server/api.py:752). Generator ranks generate until the trainer ends the job.
+    Before the run has started (loading, the warm start: nothing of it written yet) the first one stops at once."""
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
     started = False  # set by Log.open on the trainer ranks, by run.generator_rank on the others
 
@@ -181,17 +179,14 @@ class Preemption:
             signal.signal(s, self.handle)
 
     def handle(self, signum, frame):
-        alone = int(os.environ.get("WORLD_SIZE", 1)) == 1
-        if self.signal is not None and alone:
-            os._exit(128 + signum)
         if self.signal is not None:
-            return
+            return os._exit(128 + signum) if int(os.environ.get("WORLD_SIZE", 1)) == 1 else None
         self.signal = signal.Signals(signum).name
         if not Preemption.started:
             print0(f"{self.signal} before the run started: stopped, nothing of it written", flush=True)
             raise SystemExit(128 + signum)
-        print0(f"{self.signal}: the run stops after this step with a checkpoint"
-               + " (send it again to stop at once)" * alone, flush=True)
+        print0(f"{self.signal}: the run stops after this step with a checkpoint (in one process a second one stops it "
+               "at once)", flush=True)
 
 
 def load_checkpoint(path, want=("step", "device_hours", "version", "stale", "torch_rng")):
@@ -256,9 +251,8 @@ def save_checkpoint(cfg, step, clock, source, job, policy, opt):
 
 
 def load_trainer(cfg, job, policy, opt, ckpt, resume):
-    """--resume on a trainer rank: in one process AdamW's state from ckpt.pt (the weights are in place; under FSDP2
-    from plain tensors); under torchrun this rank's shard of the weights and of AdamW's state, read from the shards on
-    the shared run directory (nothing is broadcast). An empty state stays empty."""
+    """--resume on a trainer rank: AdamW's state from ckpt.pt in one process (under FSDP2 from plain tensors), or under
+    torchrun this rank's shard of the weights and of AdamW's state. An empty state stays empty."""
     from torch.distributed.checkpoint import load, state_dict as sd
     if job.world == 1 and not dist.sharded(policy):
         opt.load_state_dict(ckpt["opt"])
@@ -276,8 +270,7 @@ def load_trainer(cfg, job, policy, opt, ckpt, resume):
 
 
 def load_weights(model, ckpt, out_dir):
-    """A checkpoint's fp32 weights into an unsharded `model` on the CPU: from ckpt.pt, or in full from the shards, read
-    by this process alone (torch/distributed/checkpoint/state_dict_loader.py:125, no_dist) into the model's tensors."""
+    """A checkpoint's fp32 weights into an unsharded `model` on the CPU: from ckpt.pt, or in full from the shards."""
     from torch.distributed.checkpoint import load, state_dict as sd
     with fits(os.path.join(out_dir, "ckpt.pt")):
         if "model" in ckpt:

@@ -67,9 +67,8 @@ def core_in_own_group(*args, **kwargs):
     """vLLM's engine core process (the target it starts, vllm/v1/engine/utils.py:283), its workers with it, out of the
     torchrun worker's process group: torchrun stops a worker by signalling that whole group
     (torch/distributed/elastic/multiprocessing/subprocess_handler/subprocess_handler.py:85, os.killpg), and a preempted
-    generator rank must generate on until the trainers have checkpointed. For that too it ignores the run's stop
-    signals (rundir.Preemption), which slurmd sends to every process of the job step. It dies with its parent however
-    that ends (PR_SET_PDEATHSIG), never outliving it on the GPU."""
+    generator rank must generate on until the trainers have checkpointed; so it takes none of the stop signals slurmd
+    sends to every process. It dies with its parent however that ends (PR_SET_PDEATHSIG), never outliving it on the GPU."""
     import ctypes
     import multiprocessing
     import signal
@@ -79,12 +78,10 @@ def core_in_own_group(*args, **kwargs):
     if os.getppid() != multiprocessing.parent_process().pid:  # the parent died before that
         os._exit(1)
     os.setpgid(0, 0)
-    # ignored for good: run_engine_core then sets its own SIGTERM and SIGINT handlers, which shut the core down
-    # (vllm/v1/engine/core.py:1469-1470), and puts back the default, which ends the process, as it leaves (:1516)
-    stops, set_handler = Preemption.SIGNALS, signal.signal
-    signal.signal = lambda s, handler: set_handler(s, signal.SIG_IGN if s in stops else handler)
-    for s in stops:
-        signal.signal(s, signal.SIG_IGN)
+    # blocked, here and in every thread and process it starts (a mask is inherited, across exec too), where vLLM's
+    # handlers would shut the engine down: the core's (vllm/v1/engine/core.py:1469), its worker's
+    # (vllm/v1/executor/multiproc_executor.py:881)
+    signal.pthread_sigmask(signal.SIG_BLOCK, Preemption.SIGNALS)
     return (_RUN_CORE or [EngineCoreProc.run_engine_core])[0](*args, **kwargs)  # spawned: vLLM's own, unpatched
 
 
