@@ -166,10 +166,9 @@ def training_template(tok, instruction):
 
 
 class Preemption:
-    """SIGTERM, SIGUSR1, SIGINT, SIGHUP (SLURM, Kubernetes, preemptible clouds) set `signal`; in one process a second
-    one exits at once, under torchrun it is the same stop: slurmd signals every process and torchrun forwards its own
-    (torch/distributed/elastic/agent/server/api.py:752). Generator ranks generate until the trainer ends the job.
-    Before the run has started (loading, the warm start: nothing of it written yet) the first one stops at once."""
+    """SIGTERM, SIGUSR1, SIGINT, SIGHUP (SLURM, Kubernetes, clouds) set `signal`; a second exits at once in one process,
+    is the same stop under torchrun (slurmd signals each process, torchrun forwards: elastic/agent/server/api.py:752).
+    Generator ranks generate until the trainer ends the job. Before the run started (nothing written) one stops it."""
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
     started = False  # set by Log.open on the trainer ranks, by run.generator_rank on the others
 

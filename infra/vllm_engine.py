@@ -68,7 +68,7 @@ def core_in_own_group(*args, **kwargs):
     torchrun worker's process group: torchrun stops a worker by signalling that whole group
     (torch/distributed/elastic/multiprocessing/subprocess_handler/subprocess_handler.py:85, os.killpg), and a preempted
     generator rank must generate on until the trainers have checkpointed; so it takes none of the stop signals slurmd
-    sends to every process. It dies with its parent however that ends (PR_SET_PDEATHSIG), never outliving it on the GPU."""
+    sends to every process. It dies with its parent however that ends (PR_SET_PDEATHSIG), never outliving it."""
     import ctypes
     import multiprocessing
     import signal
@@ -78,9 +78,8 @@ def core_in_own_group(*args, **kwargs):
     if os.getppid() != multiprocessing.parent_process().pid:  # the parent died before that
         os._exit(1)
     os.setpgid(0, 0)
-    # blocked, here and in every thread and process it starts (a mask is inherited, across exec too), where vLLM's
-    # handlers would shut the engine down: the core's (vllm/v1/engine/core.py:1469), its worker's
-    # (vllm/v1/executor/multiproc_executor.py:881)
+    # blocked here and in all it starts (a mask is inherited, across exec too): vLLM's handlers would shut the engine
+    # down (vllm/v1/engine/core.py:1469; its worker's: vllm/v1/executor/multiproc_executor.py:881)
     signal.pthread_sigmask(signal.SIG_BLOCK, Preemption.SIGNALS)
     return (_RUN_CORE or [EngineCoreProc.run_engine_core])[0](*args, **kwargs)  # spawned: vLLM's own, unpatched
 
