@@ -268,10 +268,10 @@ class Scheduler(BatchSource):
             self.ready += self.engine.step()
             i += 1
 
-    def push_weights(self, policy):
+    def push_weights(self, policy, publish=True):
         """New weights: PipelineRL loads them in flight (Sec. 3.1), PPO-off-policy once its k batches are used up."""
         self.version += 1
-        if self.mode == "pipeline" or not self.ready:
+        if publish and (self.mode == "pipeline" or not self.ready):
             self.engine.load_weights(policy.state(), self.version)
 
     def totals(self):

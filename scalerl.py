@@ -193,35 +193,34 @@ def main(cfg):
         print0(f"step {step:4d} | {evaluate(step, policy)} (again: the row was lost)")
 
     # -- the loop ---------------------------------------------------------------------------------------------------
-    bad_run, stop = 0, None
-    while step < cfg.max_steps:
+    # a stop (SIGTERM, SIGUSR1, ...: trainer rank 0's word) is read before each wait on a generator rank, then kept
+    bad_run, stop, saved = 0, None, True
+    while step < cfg.max_steps and not (stop := comm.share(preempt.signal)):
         log.begin(source)
         # B groups, scored; the kept ones passed the zero-variance filter (Sec. 3.2)
         batch = source.next_batch()
         with log.timer("training"):
             stats = trainer.train_step(policy, opt, batch.kept, cfg, step, comm)
-        # in flight to the engine(s) (PipelineRL-k), or every k steps (PPO-off-policy-k)
+        step, stop = step + 1, comm.share(preempt.signal)
+        # in flight to the engine(s) (PipelineRL-k), or every k steps (PPO-off-policy-k); not once a stop is read
         with log.timer("sync_s"):
-            source.push_weights(policy)
-        step += 1
-        # SIGTERM/SIGUSR1: finish the step, checkpoint, exit resumable (trainer rank 0's word on every rank)
-        stop = comm.share(preempt.signal)
+            source.push_weights(policy, publish=not stop)
         bad_run = 0 if stats["finite"] else bad_run + 1
         line = log.step(step, batch, stats, source, bad_run)
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             line += " | " + evaluate(step, policy)
         print0(line, flush=True)
-        save = step % cfg.ckpt_every == 0 or step == cfg.max_steps or bad_run >= cfg.max_nonfinite or stop
+        saved = not stop and (step % cfg.ckpt_every == 0 or step == cfg.max_steps or bad_run >= cfg.max_nonfinite)
         # under torchrun a checkpoint has the rows of evaluations asked --eval_every steps before it or more (the plan
         # holds that they end by then); a later one runs on beside the pipeline, its row lost if the run is killed
-        evaluate.collect(until=step - cfg.eval_every + 1 if save else 0)
+        evaluate.collect(until=step - cfg.eval_every + 1 if saved else 0)
         # after skipped steps the weights are still the last good ones
-        if save:
+        if saved:
             rundir.save_checkpoint(cfg, step, log.clock, source, job, policy, opt)
         if bad_run >= cfg.max_nonfinite or stop:
             break
-    # the policy exported (not when preempted), the summary, the sigmoid fit of this run's curve (Sec. 2.1)
-    run.finish(cfg, job, step, bad_run, stop, source, evaluate, policy, model, tok, log)
+    # a stop's checkpoint, or the policy exported, the summary, the sigmoid fit of this run's curve (Sec. 2.1)
+    run.finish(cfg, job, step, bad_run, stop, saved, source, evaluate, policy, opt, model, tok, log)
 
 
 if __name__ == "__main__":

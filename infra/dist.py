@@ -238,11 +238,11 @@ class TrainerLink(BatchSource):
     def _dropped(self):
         counter(self.job, "dropped", 1)
 
-    def push_weights(self, policy):
-        """Every trainer rank takes part in the gathers of `policy.weights()`; trainer rank 0 broadcasts them."""
+    def push_weights(self, policy, publish=True):
+        """Trainer rank 0 broadcasts `policy.weights()`, gathered by every trainer rank; none once a stop is read."""
         self.version += 1
-        weights = policy.weights()
-        if self.job.rank != 0:
+        weights = policy.weights() if publish else ()
+        if self.job.rank != 0 or not publish:
             for _ in weights:
                 pass
             return

@@ -125,11 +125,12 @@ def shared_run_dir(cfg, job):
 
 
 def place(cfg, job, model, ckpt, resume):
-    """The checkpoint's weights replace the warm start's or the hub's; a generator rank's model stays on the CPU (its
-    engine takes a copy)."""
-    if ckpt:
-        rundir.load_weights(model, ckpt, cfg.out_dir)
-    if resume or cfg.model == "tiny":
+    """The checkpoint's weights replace the warm start's or the hub's, read by each rank (a broadcast sent 33 GB to each
+    at 8B): a generator rank's in full from the shards (torch/distributed/checkpoint/state_dict_loader.py:125, no_dist),
+    a trainer rank's shard in `restore`. A generator rank's model stays on the CPU (its engine takes a copy)."""
+    if resume and (job.world == 1 or job.rank in job.generators):
+        rundir.load_weights(model, ckpt or resume, cfg.out_dir)
+    elif cfg.model == "tiny" and not resume:
         dist.broadcast_from_rank0(job, model)
     model.to("cpu" if job.rank in job.generators else device())
 
@@ -195,13 +196,13 @@ def policy(cfg, job, model, tok):
 
 
 def restore(cfg, ckpt, resume, job, policy, opt, source):
-    """(step, clock): on --resume, the optimizer, the batch source's counters and in one process the generating side."""
+    """(step, clock): on --resume the trainer's state, the source's counters, in one process the generating side."""
     clock = {k: ckpt.get(k, 0.0) if ckpt else 0.0 for k in ("device_hours", "cpu_hours")}
     if not resume:
         return 0, clock
     source.version, source.dropped_stale = resume["version"], resume["stale"]
     with rundir.fits(os.path.join(cfg.out_dir, "ckpt.pt")):
-        rundir.load_optimizer(cfg, job, policy, opt, ckpt, resume)
+        rundir.load_trainer(cfg, job, policy, opt, ckpt, resume)
         if job.world == 1:
             source.rollouts.load_state_dict(ckpt["generating"])
             # the groups in flight at the checkpoint are regenerated; the engine was built from the checkpoint's weights
@@ -293,10 +294,14 @@ def generator_rank(cfg, job, rollouts, val, resume):
     dist.dist_cleanup(job)
 
 
-def finish(cfg, job, step, bad_run, stop, source, evaluate, policy, model, tok, log):
-    """The last evaluations logged, the generators stopped, the policy exported, the summary, and the sigmoid fit of
-    the run's own curve (Sec. 2.1), one per task (Sec. 7), with curve.png."""
-    evaluate.collect(until=0 if stop else math.inf)
+def finish(cfg, job, step, bad_run, stop, saved, source, evaluate, policy, opt, model, tok, log):
+    """A stop's checkpoint (unless `saved`), then the evaluations of published versions logged, the generators stopped,
+    the policy exported, the summary, and the sigmoid fit of the run's own curve (Sec. 2.1), one per task (Sec. 7)."""
+    if stop and not saved:
+        rundir.save_checkpoint(cfg, step, log.clock, source, job, policy, opt)
+    if job.world > 1 and job.rank == 0 and not stop:
+        dist.counter(job, "stop", 1)  # no more training groups: the last evaluations take every generator slot
+    evaluate.collect(until=step - cfg.eval_every + 1 if stop else math.inf)
     source.close()
     # under torchrun: summed over the generator ranks
     log.took["generation"] = source.totals()["gen_s"]

@@ -166,25 +166,26 @@ def training_template(tok, instruction):
 
 
 class Preemption:
-    """SIGTERM and SIGUSR1 (sent by SLURM with --signal, Kubernetes, preemptible clouds) set `signal`; a second one
-    exits at once. Generator ranks keep generating until the trainer ends the job. Before the run has started
-    (loading, the warm start: nothing of the run written yet) the first one stops at once."""
+    """SIGTERM, SIGUSR1, SIGINT, SIGHUP (SLURM, Kubernetes, clouds) set `signal`; a second exits at once in one process,
+    is the same stop under torchrun (slurmd signals each process, torchrun forwards: elastic/agent/server/api.py:752).
+    Generator ranks generate until the trainer ends the job. Before the run started (nothing written) one stops it."""
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
     started = False  # set by Log.open on the trainer ranks, by run.generator_rank on the others
 
     def __init__(self):
         self.signal = None
-        for s in (signal.SIGTERM, signal.SIGUSR1):
+        for s in self.SIGNALS:
             signal.signal(s, self.handle)
 
     def handle(self, signum, frame):
         if self.signal is not None:
-            os._exit(128 + signum)
+            return os._exit(128 + signum) if int(os.environ.get("WORLD_SIZE", 1)) == 1 else None
         self.signal = signal.Signals(signum).name
         if not Preemption.started:
             print0(f"{self.signal} before the run started: stopped, nothing of it written", flush=True)
             raise SystemExit(128 + signum)
-        print0(f"{self.signal}: the run stops after this step with a checkpoint (send it again to stop at once)",
-               flush=True)
+        print0(f"{self.signal}: the run stops after this step with a checkpoint (in one process a second one stops it "
+               "at once)", flush=True)
 
 
 def load_checkpoint(path, want=("step", "device_hours", "version", "stale", "torch_rng")):
@@ -248,19 +249,23 @@ def save_checkpoint(cfg, step, clock, source, job, policy, opt):
             shutil.rmtree(os.path.join(cfg.out_dir, old), ignore_errors=True)
 
 
-def load_optimizer(cfg, job, policy, opt, ckpt, resume):
-    """--resume on a trainer rank, the checkpoint's weights in place: AdamW's state from ckpt.pt in one process (under
-    FSDP2 from plain tensors), or under torchrun this rank's shard of it. An empty state stays empty."""
+def load_trainer(cfg, job, policy, opt, ckpt, resume):
+    """--resume on a trainer rank: AdamW's state from ckpt.pt in one process (under FSDP2 from plain tensors), or under
+    torchrun this rank's shard of the weights and of AdamW's state. An empty state stays empty."""
     from torch.distributed.checkpoint import load, state_dict as sd
     if job.world == 1 and not dist.sharded(policy):
         opt.load_state_dict(ckpt["opt"])
     elif job.world == 1 and ckpt["opt"]["state"]:
         sd.set_optimizer_state_dict(policy, opt, ckpt["opt"], options=sd.StateDictOptions(full_state_dict=True))
-    elif job.world > 1 and resume["shards_opt"]:
-        state = dict(opt=sd.get_optimizer_state_dict(policy.lm, opt))
+    elif job.world > 1:
+        state = dict(model=sd.get_model_state_dict(policy.lm))
+        if resume["shards_opt"]:
+            state["opt"] = sd.get_optimizer_state_dict(policy.lm, opt)
         with dist.waiting_for(job, f"checkpoint shards of trainer ranks {job.trainers}"):
             load(state, checkpoint_id=os.path.join(cfg.out_dir, resume["shards"]), process_group=job.groups["trainer"])
-        sd.set_optimizer_state_dict(policy.lm, opt, state["opt"])
+        sd.set_model_state_dict(policy.lm, state["model"])
+        if resume["shards_opt"]:
+            sd.set_optimizer_state_dict(policy.lm, opt, state["opt"])
 
 
 def load_weights(model, ckpt, out_dir):

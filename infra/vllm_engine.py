@@ -67,16 +67,20 @@ def core_in_own_group(*args, **kwargs):
     """vLLM's engine core process (the target it starts, vllm/v1/engine/utils.py:283), its workers with it, out of the
     torchrun worker's process group: torchrun stops a worker by signalling that whole group
     (torch/distributed/elastic/multiprocessing/subprocess_handler/subprocess_handler.py:85, os.killpg), and a preempted
-    generator rank must generate on until the trainers have checkpointed. It dies with its parent however that ends
-    (PR_SET_PDEATHSIG), never outliving it on the GPU."""
+    generator rank must generate on until the trainers have checkpointed; so it takes none of the stop signals slurmd
+    sends to every process. It dies with its parent however that ends (PR_SET_PDEATHSIG), never outliving it."""
     import ctypes
     import multiprocessing
     import signal
     from vllm.v1.engine.core import EngineCoreProc
+    from infra.rundir import Preemption
     ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
     if os.getppid() != multiprocessing.parent_process().pid:  # the parent died before that
         os._exit(1)
     os.setpgid(0, 0)
+    # blocked here and in all it starts (a mask is inherited, across exec too): vLLM's handlers would shut the engine
+    # down (vllm/v1/engine/core.py:1469; its worker's: vllm/v1/executor/multiproc_executor.py:881)
+    signal.pthread_sigmask(signal.SIG_BLOCK, Preemption.SIGNALS)
     return (_RUN_CORE or [EngineCoreProc.run_engine_core])[0](*args, **kwargs)  # spawned: vLLM's own, unpatched
 
 
