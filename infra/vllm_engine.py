@@ -49,12 +49,23 @@ def share_in_worker(worker, message):
     worker.received = rebuild_cuda_tensor(*args)
 
 
+def bucket_pairs(worker, bucket):
+    """In vLLM's worker: a bucket's (name, tensor) pairs, from themselves, torch.save's bytes of them, or (dtype,
+    [(name, shape)]) of the buffer shared with it (views of it)."""
+    if isinstance(bucket, bytes):
+        return torch.load(io.BytesIO(bucket), weights_only=True)
+    if not isinstance(bucket[0], str):
+        return bucket
+    dtype, layout = getattr(torch, bucket[0]), bucket[1]
+    flat = worker.received[:sum(math.prod(s) for _, s in layout) * dtype.itemsize].view(dtype)
+    return [(n, x.view(s)) for (n, s), x in zip(layout, flat.split([math.prod(s) for _, s in layout]))]
+
+
 def reload_in_worker(worker, bucket):
     """Runs in vLLM's worker: one step of a load, vLLM's reload_weights (model_loader/reload/inplace.py:104-106) split
     so that one version is one reload however many buckets it takes: "begin" (its set-up, which walks every module,
     reload/layerwise.py:101), a bucket (through the model's own loader: it fuses q/k/v and gate/up and processes a
-    layer once all its tensors are in), "end" (the processing left, again over every module, layerwise.py:244). A
-    bucket is (name, tensor) pairs, torch.save's bytes of them, or (dtype, [(name, shape)]) of the shared buffer."""
+    layer once all its tensors are in), "end" (the processing left, again over every module, layerwise.py:244)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import layerwise
     model = worker.get_model()
@@ -68,15 +79,7 @@ def reload_in_worker(worker, bucket):
         if bucket == "end":
             layerwise.finalize_layerwise_reload(model, worker.vllm_config.model_config)
             return torch.cuda.empty_cache() if torch.cuda.is_available() else None
-        if isinstance(bucket, bytes):
-            pairs = torch.load(io.BytesIO(bucket), weights_only=True)
-        elif isinstance(bucket[0], str):
-            dtype, layout = getattr(torch, bucket[0]), bucket[1]
-            flat = worker.received[:sum(math.prod(s) for _, s in layout) * dtype.itemsize].view(dtype)
-            pairs = [(n, x.view(s)) for (n, s), x in zip(layout, flat.split([math.prod(s) for _, s in layout]))]
-        else:
-            pairs = bucket
-        model.load_weights(pairs)
+        model.load_weights(bucket_pairs(worker, bucket))
         # a layer held for the end (a padded vocabulary: layerwise.py:273) keeps its own copy of what it was given:
         # the buffer takes the next bucket
         for layer in model.modules():
@@ -180,7 +183,8 @@ def outside_share(model, bucket_bytes, child=True):
     # a multiple of 64 (layers/vocab_parallel_embedding.py:36), the direct head not at all
     layers = {}
     for name, p in model.named_parameters():
-        layer = re.sub(r"\b[qkv]_proj$", "qkv_proj", re.sub(r"\b(gate|up)_proj$", "gate_up_proj", name.rpartition(".")[0]))
+        layer = re.sub(r"\b(gate|up)_proj$", "gate_up_proj", name.rpartition(".")[0])
+        layer = re.sub(r"\b[qkv]_proj$", "qkv_proj", layer)
         rows = -(-p.shape[0] // 64) * 64 if p is body or p is head else p.shape[0]
         layers[layer] = layers.get(layer, 0) + (p is not head or not direct) * rows * p[0].numel() * p.dtype.itemsize
     runs = buckets(((n, p, p.dtype) for n, p in model.named_parameters()), bucket_bytes)
@@ -199,8 +203,8 @@ def vllm_share(most, free, total, outside):
     share = min(most, (free - outside) / total)
     if share < 0.05:
         raise ValueError(f"only {free / 2 ** 30:.1f} of {total / 2 ** 30:.0f} GiB of this GPU are free, "
-                         f"{outside / 2 ** 30:.1f} GiB of it needed beside vLLM, too little for a vLLM engine; free it, "
-                         "or lower --micro_batch_tokens, --slots or --sync_bucket_mb")
+                         f"{outside / 2 ** 30:.1f} GiB of it needed beside vLLM, too little for a vLLM engine; free "
+                         "it, or lower --micro_batch_tokens, --slots or --sync_bucket_mb")
     return share
 
 
@@ -294,8 +298,11 @@ class VLLMEngine(Engine):
         rpc = partial(self.llm.collective_rpc, reload_in_worker)
         rpc(args=("begin",))
         for run in source:
-            _, parts = new_bucket(run, self.device, self.bufs, fill=not landed)
-            pairs = [(n, x.view(t.shape)) for x, (n, t, _) in zip(parts, run)]
+            if landed or self.ipc:
+                _, parts = new_bucket(run, self.device, self.bufs, fill=not landed)
+                pairs = [(n, x.view(t.shape)) for x, (n, t, _) in zip(parts, run)]
+            else:  # the source's own tensors, cast where vLLM's dtype differs
+                pairs = [(n, t.detach().to(self.device, dtype)) for n, t, dtype in run]
             if self.ipc:
                 if self.shared is not self.bufs[0]:  # once, and again only if a bucket outgrew it
                     from torch.multiprocessing.reductions import reduce_tensor

@@ -191,7 +191,7 @@ def test_an_8b_generator_fits_beside_vllms_share():
 
 def watch_reload(worker):
     """Runs in vLLM's worker: from now on, count vLLM's reload set-ups and record the bytes of each layer a reload
-    rebuilds (reload/layerwise.py: materialize_layer makes its meta tensors real, then the loaded values are copied in)."""
+    rebuilds (reload/layerwise.py: materialize_layer makes its meta tensors real; the loaded values are copied in)."""
     from vllm.model_executor.model_loader.reload import layerwise
     from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
     seen, names = {"setups": 0, "rebuilt": {}}, {m: n for n, m in worker.get_model().named_modules()}
@@ -205,6 +205,12 @@ def watch_reload(worker):
         seen["rebuilt"][names[layer]] = sum(t.nbytes for t in get_layer_tensors(layer).values() if t.is_meta)
         return materialize(layer, info)
     layerwise.initialize_layerwise_reload, layerwise.materialize_layer, worker.seen = counted, rebuilt, seen
+    worker.unwatch = init, materialize
+
+
+def unwatch_reload(worker):
+    from vllm.model_executor.model_loader.reload import layerwise
+    layerwise.initialize_layerwise_reload, layerwise.materialize_layer = worker.unwatch
 
 
 def seen_in_worker(worker):
@@ -225,19 +231,22 @@ def test_one_reload_a_version_and_its_largest_copy_is_the_planned_one(tiny, monk
         **kw, "bucket_bytes": 64 << 10}))
     eng = vllm_engine(model, tok, cfg, dtype="bfloat16")
     eng.llm.collective_rpc(watch_reload)
-    new = trainer.tiny_model(replace(cfg, seed=9), 2000)
-    eng.load_weights(new, 1)
+    try:
+        new = trainer.tiny_model(replace(cfg, seed=9), 2000)
+        eng.load_weights(new, 1)
+        seen, embed, head = eng.llm.collective_rpc(seen_in_worker)[0]
+        setups, rebuilt = seen["setups"], dict(seen["rebuilt"])  # (in this process: the worker's own dict)
+        eng.load_weights({"lm_head.weight": model.lm_head.weight}, 2)  # a second version: its own one reload
+        assert eng.llm.collective_rpc(seen_in_worker)[0][0]["setups"] == 2
+    finally:
+        eng.llm.collective_rpc(unwatch_reload)  # the worker is this process: vLLM's own functions back
     assert len(list(buckets(((n, p, p.dtype) for n, p in eng.model.named_parameters()), 64 << 10))) == cfg.n_layer + 3
-    seen, embed, head = eng.llm.collective_rpc(seen_in_worker)[0]
-    assert seen["setups"] == 1
-    rebuilt = seen["rebuilt"]
+    assert setups == 1
     assert rebuilt.get("lm_head", 0) == 0 and rebuilt["model.embed_tokens"] == 2048 * cfg.n_embd * 2
     assert max(rebuilt.values()) == eng.outside["reload's copy of the largest layer"] == outside_share(
         eng.model, 64 << 10)["reload's copy of the largest layer"]
     assert torch.equal(embed[:2000], new.model.embed_tokens.weight.detach().bfloat16())
     assert head.dtype == torch.float32 and torch.equal(head[:2000], new.lm_head.weight.detach())
-    eng.load_weights({"lm_head.weight": model.lm_head.weight}, 2)  # a second version: its own one reload
-    assert eng.llm.collective_rpc(seen_in_worker)[0][0]["setups"] == 2
 
 
 def perturbed(model, tok):
@@ -312,6 +321,7 @@ def test_child_process_engine_records_the_version_that_sampled_each_token(tiny, 
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     # the embedding, each decoder layer (over 64 KB), the final norm with the head; torch.save's headers on top
     assert len(sent) == model.config.num_hidden_layers + 2 and max(sent) < size / 3 and sum(sent) > size, sent
+    eng.llm.collective_rpc(watch_reload)
     for t in templates(tok, 8):
         eng.add(t, 4)
     done = []
@@ -323,6 +333,7 @@ def test_child_process_engine_records_the_version_that_sampled_each_token(tiny, 
     read = {id(r.sample): len(r.sample.tokens) for r in eng.live.values()}  # tokens read before the update
     eng.load_weights(new, 1)
     assert len(sent) == 2 * (model.config.num_hidden_layers + 2)
+    assert eng.llm.collective_rpc(seen_in_worker)[0][0]["setups"] == 1  # one reload in the core for all the buckets
     while eng.busy:
         done += eng.step()
     samples = [s for g in done for s in g]
@@ -382,6 +393,24 @@ def test_prefix_cache_hits_only_blocks_of_the_same_policy_version(tiny):
     later, hits = group(3)
     assert hits == [full] * 4, hits
     assert free_error(new, later) < 5e-5
+
+
+def test_an_interruption_counts_the_prefix_it_prefills_again(tiny):
+    """A forced interruption is an abort and a resubmission with the phrase (vLLM cannot append to a running request):
+    what of its prefix is not in the prefix cache is computed again, all of it after an update (another salt), and
+    stats["reprefill_tokens"] counts it as vLLM reports it. Here prompt and thinking fill no 128-token block (vLLM's
+    on CPU), so every interrupted completion, before or after the update, computes its whole prefix again."""
+    model, tok, cfg = tiny
+    eng = vllm_engine(model, tok, cfg, think_min=6, think_max=10, answer_budget=5, seed=7)
+    assert eng.llm.vllm_config.cache_config.block_size > cfg.max_prompt + 10
+    for t in templates(tok, 24):
+        eng.add(t, 1)
+    done = eng.step() + eng.step()
+    eng.load_weights(perturbed(model, tok), 1)
+    while eng.busy:
+        done += eng.step()
+    prefixes = [len(s.prompt_tokens) + s.forced.index(True) for g in done for s in g if s.interrupted]
+    assert len(prefixes) >= 8 and eng.stats["reprefill_tokens"] == sum(prefixes)
 
 
 def test_forced_interruption_is_masked_and_answer_budget_holds(tiny):
@@ -504,38 +533,35 @@ def test_weights_loaded_bucket_by_bucket_give_the_trainers_logprobs(tiny):
 
 
 def test_a_bucket_crosses_vllms_rpc_as_bytes_and_arrives_exact():
-    """Under torchrun vLLM's engine core is a child process: VLLMEngine.load_weights sends each bucket (whole decoder
-    layers) as bytes through vLLM's own msgpack serialisation, and the worker gets the same tensors (bf16 body, fp32
-    head). No engine: load_weights runs on a stand-in for vLLM's RPC."""
+    """Under torchrun on the CPU vLLM's engine core is a child process: VLLMEngine.load_weights sends each bucket (whole
+    decoder layers) as bytes through vLLM's own msgpack serialisation, between one "begin" and one "end" of the reload,
+    and the worker gets the same tensors (bf16 body, fp32 head). No engine: load_weights runs on a stand-in for vLLM's
+    RPC, which decodes what crossed."""
+    import io
     from types import SimpleNamespace
-    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, run_method
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
     model = trainer.tiny_model(scalerl.Config(), 40).bfloat16()
     model.lm_head.float()
-    got = []
+    got, steps = [], []
 
-    class Worker:
-        def reload_weights(self, weights_iterator):
-            got.append(list(weights_iterator))
-
-    class LLM:  # SyncMPClient.collective_rpc: the arguments go to the core as msgpack, which runs it on its worker
+    class LLM:  # SyncMPClient.collective_rpc: the arguments go to the core as msgpack
         def collective_rpc(self, method, args=()):
             wire = MsgpackEncoder().encode(args)
+            (bucket,) = MsgpackDecoder().decode(wire)
+            if isinstance(bucket, str):
+                steps.append(bucket)
+                return
             sent.append(sum(memoryview(b).nbytes for b in wire))
-            run_method(Worker(), method, MsgpackDecoder().decode(wire), {})
-    eng, sent = SimpleNamespace(child=True, paused=True, model=model, bucket_bytes=64 << 10, llm=LLM(),
-                                device=torch.device("cpu")), []
+            got.append(torch.load(io.BytesIO(bucket), weights_only=True))
+    eng, sent = SimpleNamespace(child=True, paused=True, model=model, bucket_bytes=64 << 10, llm=LLM(), ipc=False,
+                                device=torch.device("cpu"), bufs={}), []
     VLLMEngine.load_weights(eng, model, 1)
     runs = list(buckets(((n, p, p.dtype) for n, p in model.named_parameters()), 64 << 10))
     assert [[n for n, _ in b] for b in got] == [[n for n, _, _ in r] for r in runs] and len(got) >= 5
+    assert steps == ["begin", "end"]
     want = dict(model.named_parameters())
     for n, t in (x for b in got for x in b):
         assert t.dtype == want[n].dtype and torch.equal(t, want[n])
-    # a generator rank's buckets are views of its receive buffer (here 8 MB): each message carries its bucket only
-    bufs, got[:], sent[:] = {0: torch.empty(8 << 20, dtype=torch.uint8)}, [], []
-    for run in runs:
-        with torch.no_grad():  # as receive_weights: the bucket lands in views of the buffer
-            _, parts = new_bucket(run, "cpu", bufs)
-            bucket = {n: x.view(p.shape).copy_(p) for x, (n, p, _) in zip(parts, run)}
-        VLLMEngine.load_weights(eng, bucket, 1)
-        assert sent[-1] < sum(p.numel() * p.element_size() for _, p, _ in run) + (16 << 10), sent
-    assert all(torch.equal(t, want[n]) for b in got for n, t in b)
+    # each message carries its bucket only, not the receive buffer it was read from
+    for run, size in zip(runs, sent):
+        assert size < sum(p.numel() * p.element_size() for _, p, _ in run) + (16 << 10), sent
