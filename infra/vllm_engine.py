@@ -229,7 +229,7 @@ class VLLMEngine(Engine):
         self.model = copy.deepcopy(model, {id(p): torch.nn.Parameter(p.to("meta"), False) for p in model.parameters()})
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where weight buckets land
         self.outside = outside_share(self.model, bucket_bytes, self.child)
-        if torch.cuda.is_available():  # vLLM refuses to start past what is free (v1/worker/utils.py:740)
+        if torch.cuda.is_available():  # vLLM refuses to start past what is free (v1/worker/utils.py:761)
             free, total = torch.cuda.mem_get_info()
             outside = sum(self.outside.values()) - self.outside["CUDA context, this process"]
             memory["gpu_memory_utilization"] = vllm_share(gpu_share, free, total, outside)
