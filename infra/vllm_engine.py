@@ -245,10 +245,11 @@ class VLLMEngine(Engine):
         self.live = {}       # vLLM request id -> its Running completion
         self.rng = torch.Generator().manual_seed(seed)
         self.paused = False  # child: the engine core is paused for a weight load, until the next step()
-        # the receive buffer, at its final size once; a child on this GPU holds it too (`shared`)
-        self.bufs = {0: torch.empty(self.outside["receive buffer (the largest bucket)"], dtype=torch.uint8,
-                                    device=self.device)}
+        # the receive buffer: for a child on this GPU, which holds it too (`shared`), made once at its final size; else
+        # made when a bucket first lands (an in-process load passes the source's own tensors)
         self.ipc, self.shared = self.child and self.device.type == "cuda", None
+        self.bufs = {0: torch.empty(self.outside["receive buffer (the largest bucket)"], dtype=torch.uint8,
+                                    device=self.device)} if self.ipc else {}
         self.resubmitted = {}  # request id -> tokens of its prefix computed before (an interrupted request's)
         self.stats["reprefill_tokens"] = 0
         # the core's output LLMEngine.step reads, stamped with its tokens' version (a list: the core must not hold self)
