@@ -315,19 +315,27 @@ class TrainerLink(BatchSource):
 
 
 def receive_weights(job, engine, version, bucket_bytes, take=True, bufs=None):
-    """A generator rank's end of TrainerLink.push_weights (`take` False: received, not loaded). The PyTorch engine
-    receives each bucket into its parameters; vLLM, and a version not taken, into `bufs`' one (on the GPU for NCCL)."""
-    in_place, bufs = take and hasattr(engine, "landing"), {} if bufs is None else bufs
-    for run in buckets(((n, p, p.dtype) for n, p in engine.model.named_parameters()), bucket_bytes):
-        flat, parts = (engine.landing(run), None) if in_place else new_bucket(run, engine.device, bufs)
-        with waiting_for(job, f"policy version {version} from trainer rank 0", bound=True):
-            # a time-out of its own, so the host waits for the device; past --dist_timeout the bound speaks first
-            dist.broadcast(flat, src=0, group=job.groups["weights"], async_op=True).wait(
-                timedelta(seconds=job.timeout + 30))
-        if in_place:
-            engine.version = version
-        elif take:
-            engine.load_weights({n: x.view(t.shape) for x, (n, t, _) in zip(parts, run)}, version)
+    """A generator rank's end of TrainerLink.push_weights (`take` False: received, not loaded). Each bucket lands in
+    the engine's `landing`: the PyTorch engine's parameters; vLLM's receive buffer (`staged`), which it loads from as
+    each bucket lands, one reload a version, and where a version it does not take lands too. The PyTorch engine takes
+    a version not loaded into `bufs`' one (on the GPU for NCCL)."""
+    staged, bufs = getattr(engine, "staged", False), {} if bufs is None else bufs
+
+    def landed():
+        for run in buckets(((n, p, p.dtype) for n, p in engine.model.named_parameters()), bucket_bytes):
+            flat = engine.landing(run) if take or staged else new_bucket(run, engine.device, bufs)[0]
+            with waiting_for(job, f"policy version {version} from trainer rank 0", bound=True):
+                # a time-out of its own, so the host waits for the device; past --dist_timeout the bound speaks first
+                dist.broadcast(flat, src=0, group=job.groups["weights"], async_op=True).wait(
+                    timedelta(seconds=job.timeout + 30))
+            yield run
+    if take and staged:
+        engine.load_weights(landed(), version)
+        return
+    for _ in landed():
+        pass
+    if take:
+        engine.version = version
 
 
 class HeldOut:

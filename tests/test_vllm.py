@@ -132,19 +132,20 @@ def test_same_seed_same_samples(tiny):
     assert [s.tokens for g in a for s in g] == [s.tokens for g in b for s in g]
 
 
-def test_on_a_gpu_requests_carry_no_seed_of_their_own(tiny, monkeypatch):
-    """A seeded request sends vLLM's GPU sampler down its per-request loop: on CPU each request has a seed drawn from
-    the engine's rng (same seed, same samples), on a GPU none (the engine's own seed serves)."""
+def test_every_request_carries_its_own_seed_on_a_gpu_too(tiny, monkeypatch):
+    """Each request has a seed drawn from the engine's rng, on a GPU as on the CPU (model runner V2 samples seeded
+    requests in one kernel): the same engine seed gives the same seeds, so an evaluation repeats exactly."""
     model, tok, cfg = tiny
-    e, seen = vllm_engine(model, tok, cfg), []
-    add = e.llm.add_request
-    monkeypatch.setattr(e.llm, "add_request", lambda rid, prompt, params: seen.append(
-        (e.device.type, params.seed)) or add(rid, prompt, params))
-    e.generate(templates(tok, 2), 2)
-    e.device = torch.device("cuda")  # what a generator rank's engine has; sampling itself still runs on the CPU
-    e.generate(templates(tok, 2), 2)
-    assert {kind for kind, _ in seen} == {"cpu", "cuda"}
-    assert all((seed is None) == (kind == "cuda") for kind, seed in seen)
+    seen = []
+    for device in ("cpu", "cuda"):
+        e = vllm_engine(model, tok, cfg, seed=4)
+        add = e.llm.add_request
+        monkeypatch.setattr(e.llm, "add_request", lambda rid, prompt, params, add=add, d=device: seen.append(
+            (d, params.seed)) or add(rid, prompt, params))
+        e.device = torch.device(device)  # what a generator rank's engine has; sampling itself still runs on the CPU
+        e.generate(templates(tok, 2), 2)
+    cpu, cuda = ([seed for d, seed in seen if d == kind] for kind in ("cpu", "cuda"))
+    assert len(cpu) >= 4 and None not in cpu and cuda == cpu
 
 
 def test_the_parent_holds_no_device_copy_beside_vllm(tiny, monkeypatch):
@@ -166,12 +167,86 @@ def test_the_parent_holds_no_device_copy_beside_vllm(tiny, monkeypatch):
 
 def test_vllm_takes_only_what_the_gpu_has_free():
     """vLLM refuses to start when gpu_memory_utilization x total is more than is free (v1/worker/utils.py): its share
-    is what is free, less 1 GiB for its CUDA context, at most --gpu_memory_utilization; too little is one line."""
+    is what is free, less what goes beside it, at most --gpu_memory_utilization; too little is one line."""
     GiB = 1 << 30
-    assert vllm_share(0.9, 79 * GiB, 80 * GiB) == 0.9
-    assert vllm_share(0.9, 62 * GiB, 80 * GiB) == pytest.approx(61 / 80)  # beside a trainer, or a second engine
-    with pytest.raises(ValueError, match="only 3.0 of 80 GiB of this GPU are free, too little for a vLLM engine"):
-        vllm_share(0.9, 3 * GiB, 80 * GiB)
+    assert vllm_share(0.9, 79 * GiB, 80 * GiB, 7 * GiB) == 0.9
+    assert vllm_share(0.9, 62 * GiB, 80 * GiB, 7 * GiB) == pytest.approx(55 / 80)  # beside a trainer, or an engine
+    with pytest.raises(ValueError, match="only 9.0 of 80 GiB of this GPU are free, 7.0 GiB of it needed beside vLLM"):
+        vllm_share(0.9, 9 * GiB, 80 * GiB, 7 * GiB)
+
+
+def test_an_8b_generator_fits_beside_vllms_share():
+    """Qwen3-8B (bf16 body, untied fp32 head, 1 GiB buckets) on an 80 GB GPU at gpu_memory_utilization 0.9: what a
+    generator rank puts beside vLLM's share at its first in-flight update fits the 8 GB left, margin included. The
+    receive buffer is the fp32 head's bucket; the largest layer a reload rebuilds is the bf16 embedding (the head
+    goes in directly)."""
+    from infra.plan import GPU_GB, KNOWN_SHAPES, VLLM_SHARE, vllm_offshare_rows
+    cfg = scalerl.Config(**scalerl.PRESETS["8b"])
+    V, H = 151936, 4096
+    rows = vllm_offshare_rows(cfg, KNOWN_SHAPES["Qwen/Qwen3-8B"])
+    assert rows["receive buffer (the largest bucket)"] == 4 * V * H  # 2.49 GB
+    assert rows["reload's copy of the largest layer"] == rows["LM head made fp32 (net)"] == 2 * V * H  # 1.24 GB
+    assert sum(rows.values()) <= (1 - VLLM_SHARE) * GPU_GB * 1e9, rows  # 7.7 of 8.0 GB
+
+
+def watch_reload(worker):
+    """Runs in vLLM's worker: from now on, count vLLM's reload set-ups and record the bytes of each layer a reload
+    rebuilds (reload/layerwise.py: materialize_layer makes its meta tensors real; the loaded values are copied in)."""
+    from vllm.model_executor.model_loader.reload import layerwise
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+    seen, names = {"setups": 0, "rebuilt": {}}, {m: n for n, m in worker.get_model().named_modules()}
+    init, materialize = layerwise.initialize_layerwise_reload, layerwise.materialize_layer
+
+    def counted(model):
+        seen["setups"] += 1
+        return init(model)
+
+    def rebuilt(layer, info):
+        seen["rebuilt"][names[layer]] = sum(t.nbytes for t in get_layer_tensors(layer).values() if t.is_meta)
+        return materialize(layer, info)
+    layerwise.initialize_layerwise_reload, layerwise.materialize_layer, worker.seen = counted, rebuilt, seen
+    worker.unwatch = init, materialize
+
+
+def unwatch_reload(worker):
+    from vllm.model_executor.model_loader.reload import layerwise
+    layerwise.initialize_layerwise_reload, layerwise.materialize_layer = worker.unwatch
+
+
+def seen_in_worker(worker):
+    model = worker.get_model()
+    return worker.seen, model.model.embed_tokens.weight.detach().clone(), model.lm_head.weight.detach().clone()
+
+
+def test_one_reload_a_version_and_its_largest_copy_is_the_planned_one(tiny, monkeypatch):
+    """A version loaded in many buckets is one vLLM reload (one set-up, one finalisation over every module), and the
+    largest layer that reload rebuilds beside the live one is outside_share's row: here the bf16 embedding, its
+    vocabulary padded to 2,048 rows; the fp32 head, larger still, goes straight into its parameter. The padded
+    embedding waits for the end of the reload, after later buckets reused the buffer: it arrives exact."""
+    from infra.vllm_engine import outside_share
+    _, tok, cfg = tiny
+    model = trainer.tiny_model(cfg, 2000)
+    init = VLLMEngine.__init__  # 64 KB buckets, whatever the caller asks
+    monkeypatch.setattr(VLLMEngine, "__init__", lambda self, *args, **kw: init(self, *args, **{
+        **kw, "bucket_bytes": 64 << 10}))
+    eng = vllm_engine(model, tok, cfg, dtype="bfloat16")
+    eng.llm.collective_rpc(watch_reload)
+    try:
+        new = trainer.tiny_model(replace(cfg, seed=9), 2000)
+        eng.load_weights(new, 1)
+        seen, embed, head = eng.llm.collective_rpc(seen_in_worker)[0]
+        setups, rebuilt = seen["setups"], dict(seen["rebuilt"])  # (in this process: the worker's own dict)
+        eng.load_weights({"lm_head.weight": model.lm_head.weight}, 2)  # a second version: its own one reload
+        assert eng.llm.collective_rpc(seen_in_worker)[0][0]["setups"] == 2
+    finally:
+        eng.llm.collective_rpc(unwatch_reload)  # the worker is this process: vLLM's own functions back
+    assert len(list(buckets(((n, p, p.dtype) for n, p in eng.model.named_parameters()), 64 << 10))) == cfg.n_layer + 3
+    assert setups == 1
+    assert rebuilt.get("lm_head", 0) == 0 and rebuilt["model.embed_tokens"] == 2048 * cfg.n_embd * 2
+    assert max(rebuilt.values()) == eng.outside["reload's copy of the largest layer"] == outside_share(
+        eng.model, 64 << 10)["reload's copy of the largest layer"]
+    assert torch.equal(embed[:2000], new.model.embed_tokens.weight.detach().bfloat16())
+    assert head.dtype == torch.float32 and torch.equal(head[:2000], new.lm_head.weight.detach())
 
 
 def perturbed(model, tok):
@@ -234,7 +309,7 @@ def test_child_process_engine_records_the_version_that_sampled_each_token(tiny, 
     sent, rpc = [], vllm.LLMEngine.collective_rpc
 
     def spy(llm, method, *args, **kwargs):  # the bytes of each bucket sent to the core
-        if getattr(method, "__name__", "") == "load_in_worker":
+        if getattr(method, "__name__", "") == "reload_in_worker" and not isinstance(kwargs["args"][0], str):
             sent.append(sum(memoryview(b).nbytes for b in kwargs["args"]))
         return rpc(llm, method, *args, **kwargs)
     monkeypatch.setattr(vllm.LLMEngine, "collective_rpc", spy)
@@ -246,6 +321,7 @@ def test_child_process_engine_records_the_version_that_sampled_each_token(tiny, 
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     # the embedding, each decoder layer (over 64 KB), the final norm with the head; torch.save's headers on top
     assert len(sent) == model.config.num_hidden_layers + 2 and max(sent) < size / 3 and sum(sent) > size, sent
+    eng.llm.collective_rpc(watch_reload)
     for t in templates(tok, 8):
         eng.add(t, 4)
     done = []
@@ -257,6 +333,7 @@ def test_child_process_engine_records_the_version_that_sampled_each_token(tiny, 
     read = {id(r.sample): len(r.sample.tokens) for r in eng.live.values()}  # tokens read before the update
     eng.load_weights(new, 1)
     assert len(sent) == 2 * (model.config.num_hidden_layers + 2)
+    assert eng.llm.collective_rpc(seen_in_worker)[0][0]["setups"] == 1  # one reload in the core for all the buckets
     while eng.busy:
         done += eng.step()
     samples = [s for g in done for s in g]
@@ -316,6 +393,24 @@ def test_prefix_cache_hits_only_blocks_of_the_same_policy_version(tiny):
     later, hits = group(3)
     assert hits == [full] * 4, hits
     assert free_error(new, later) < 5e-5
+
+
+def test_an_interruption_counts_the_prefix_it_prefills_again(tiny):
+    """A forced interruption is an abort and a resubmission with the phrase (vLLM cannot append to a running request):
+    what of its prefix is not in the prefix cache is computed again, all of it after an update (another salt), and
+    stats["reprefill_tokens"] counts it as vLLM reports it. Here prompt and thinking fill no 128-token block (vLLM's
+    on CPU), so every interrupted completion, before or after the update, computes its whole prefix again."""
+    model, tok, cfg = tiny
+    eng = vllm_engine(model, tok, cfg, think_min=6, think_max=10, answer_budget=5, seed=7)
+    assert eng.llm.vllm_config.cache_config.block_size > cfg.max_prompt + 10
+    for t in templates(tok, 24):
+        eng.add(t, 1)
+    done = eng.step() + eng.step()
+    eng.load_weights(perturbed(model, tok), 1)
+    while eng.busy:
+        done += eng.step()
+    prefixes = [len(s.prompt_tokens) + s.forced.index(True) for g in done for s in g if s.interrupted]
+    assert len(prefixes) >= 8 and eng.stats["reprefill_tokens"] == sum(prefixes)
 
 
 def test_forced_interruption_is_masked_and_answer_budget_holds(tiny):
@@ -438,38 +533,35 @@ def test_weights_loaded_bucket_by_bucket_give_the_trainers_logprobs(tiny):
 
 
 def test_a_bucket_crosses_vllms_rpc_as_bytes_and_arrives_exact():
-    """Under torchrun vLLM's engine core is a child process: VLLMEngine.load_weights sends each bucket (whole decoder
-    layers) as bytes through vLLM's own msgpack serialisation, and the worker gets the same tensors (bf16 body, fp32
-    head). No engine: load_weights runs on a stand-in for vLLM's RPC."""
+    """Under torchrun on the CPU vLLM's engine core is a child process: VLLMEngine.load_weights sends each bucket (whole
+    decoder layers) as bytes through vLLM's own msgpack serialisation, between one "begin" and one "end" of the reload,
+    and the worker gets the same tensors (bf16 body, fp32 head). No engine: load_weights runs on a stand-in for vLLM's
+    RPC, which decodes what crossed."""
+    import io
     from types import SimpleNamespace
-    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, run_method
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
     model = trainer.tiny_model(scalerl.Config(), 40).bfloat16()
     model.lm_head.float()
-    got = []
+    got, steps = [], []
 
-    class Worker:
-        def reload_weights(self, weights_iterator):
-            got.append(list(weights_iterator))
-
-    class LLM:  # SyncMPClient.collective_rpc: the arguments go to the core as msgpack, which runs it on its worker
+    class LLM:  # SyncMPClient.collective_rpc: the arguments go to the core as msgpack
         def collective_rpc(self, method, args=()):
             wire = MsgpackEncoder().encode(args)
+            (bucket,) = MsgpackDecoder().decode(wire)
+            if isinstance(bucket, str):
+                steps.append(bucket)
+                return
             sent.append(sum(memoryview(b).nbytes for b in wire))
-            run_method(Worker(), method, MsgpackDecoder().decode(wire), {})
-    eng, sent = SimpleNamespace(child=True, paused=True, model=model, bucket_bytes=64 << 10, llm=LLM(),
-                                device=torch.device("cpu")), []
+            got.append(torch.load(io.BytesIO(bucket), weights_only=True))
+    eng, sent = SimpleNamespace(child=True, paused=True, model=model, bucket_bytes=64 << 10, llm=LLM(), ipc=False,
+                                device=torch.device("cpu"), bufs={}), []
     VLLMEngine.load_weights(eng, model, 1)
     runs = list(buckets(((n, p, p.dtype) for n, p in model.named_parameters()), 64 << 10))
     assert [[n for n, _ in b] for b in got] == [[n for n, _, _ in r] for r in runs] and len(got) >= 5
+    assert steps == ["begin", "end"]
     want = dict(model.named_parameters())
     for n, t in (x for b in got for x in b):
         assert t.dtype == want[n].dtype and torch.equal(t, want[n])
-    # a generator rank's buckets are views of its receive buffer (here 8 MB): each message carries its bucket only
-    bufs, got[:], sent[:] = {0: torch.empty(8 << 20, dtype=torch.uint8)}, [], []
-    for run in runs:
-        with torch.no_grad():  # as receive_weights: the bucket lands in views of the buffer
-            _, parts = new_bucket(run, "cpu", bufs)
-            bucket = {n: x.view(p.shape).copy_(p) for x, (n, p, _) in zip(parts, run)}
-        VLLMEngine.load_weights(eng, bucket, 1)
-        assert sent[-1] < sum(p.numel() * p.element_size() for _, p, _ in run) + (16 << 10), sent
-    assert all(torch.equal(t, want[n]) for b in got for n, t in b)
+    # each message carries its bucket only, not the receive buffer it was read from
+    for run, size in zip(runs, sent):
+        assert size < sum(p.numel() * p.element_size() for _, p, _ in run) + (16 << 10), sent
