@@ -6,6 +6,7 @@ below for the presets' model); nothing is loaded or downloaded.
     python scalerl.py --config=8b --dry_run --plan_gpus=8   # the same recipe on one 8-GPU node
 """
 from dataclasses import replace
+import functools
 import inspect
 import os
 import sys
@@ -18,7 +19,7 @@ from infra import dist
 KNOWN_SHAPES = {"Qwen/Qwen3-8B": (36, 4096, 12288, 32, 8, 128, 151936, False),
                 "Qwen/Qwen3-0.6B": (28, 1024, 3072, 16, 8, 128, 151936, True),
                 "Qwen/Qwen3-1.7B": (28, 2048, 6144, 16, 8, 128, 151936, True)}
-GB, GPU_GB, VLLM_SHARE = 1e9, 80, 0.9  # the GPUs planned for (80 GB: H100, A100); vLLM's gpu_memory_utilization
+GB, GPU_GB = 1e9, 80  # the GPUs planned for (80 GB: H100, A100)
 CHUNK = inspect.signature(losses.token_logprobs).parameters["chunk"].default  # tokens per FP32-head chunk
 # The time estimates (choice, until a GPU has measured the path): an H100 SXM's dense bf16 and fp32 peaks (no TF32: the
 # FP32 head is true fp32 on both sides, Sec. 3.2; vLLM's VLLM_FLOAT32_MATMUL_PRECISION defaults to "highest") and HBM
@@ -107,26 +108,37 @@ def sync_rows(cfg, shape, world):
     bucket = min(cfg.sync_bucket_mb * 2 ** 20, model)
     largest = max(shape[6] * shape[1], 3 * shape[1] * shape[2]) * b  # a gathered embedding, or a layer's MLP
     return {"trainer 0": {"weight-sync buffers": 2 * bucket + largest},
-            # a bucket holds whole units: the head (fp32 when untied, 2.49 GB at 8B) is one of its own; vLLM takes
-            # each from a fresh copy on the GPU (infra/vllm_engine.ipc_bucket), beside the receive buffer
+            # a bucket holds whole units: the head (fp32 when untied, 2.49 GB at 8B) is one of its own; vLLM's
+            # receive buffer is a row of vllm_offshare_rows
             "generator": {"weight-sync buffers": max(bucket, shape[6] * shape[1] * (b if shape[7] else hb)) * (
-                2 if cfg.engine == "vllm" else cfg.off_policy == "ppo")}}
+                cfg.engine == "torch" and cfg.off_policy == "ppo")}}
 
 
 def vllm_offshare_rows(cfg, shape):
     """What a vLLM generator rank puts on its GPU beside vLLM's share (infra.vllm_engine.outside_share), for a model
     of `shape` built on the meta device in the dtypes the engine holds (infra.run.make_engine)."""
+    return dict(_offshare(cfg.model == "tiny", shape, cfg.dtype, cfg.fp32_head, cfg.sync_bucket_mb))
+
+
+@functools.lru_cache(maxsize=16)
+def _offshare(tiny, shape, dtype, fp32_head, bucket_mb):
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
     from infra.vllm_engine import outside_share
     L, H, I, nq, nkv, hd, V, tied = shape
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config((LlamaConfig if cfg.model == "tiny" else Qwen3Config)(
+        model = AutoModelForCausalLM.from_config((LlamaConfig if tiny else Qwen3Config)(
             vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=L, num_attention_heads=nq,
-            num_key_value_heads=nkv, head_dim=hd, tie_word_embeddings=tied), dtype=getattr(torch, cfg.dtype))
-    if cfg.fp32_head and not tied:
+            num_key_value_heads=nkv, head_dim=hd, tie_word_embeddings=tied), dtype=getattr(torch, dtype))
+    if fp32_head and not tied:
         model.get_output_embeddings().float()
-    return outside_share(model, cfg.sync_bucket_mb << 20)
+    return tuple(outside_share(model, bucket_mb << 20).items())
+
+
+def vllm_share(cfg, shape):
+    """The bytes of vLLM's share on a planned GPU, as infra.vllm_engine.vllm_share computes it at start: at most
+    --gpu_memory_utilization of it, and what the rows beside it leave."""
+    return min(cfg.gpu_memory_utilization * GPU_GB * GB, GPU_GB * GB - sum(vllm_offshare_rows(cfg, shape).values()))
 
 
 def columns(cfg, shape, world, T, seq):
@@ -141,12 +153,11 @@ def columns(cfg, shape, world, T, seq):
         cols[f"trainer{'s 1-' if T > 2 else ' '}{T - 1}"] = {**train, "weight-sync buffers": 0.0}
     cols["generators"] = {**engine, **sync["generator"]}
     if cfg.engine == "vllm":
-        # vLLM's share holds its weights in the body dtype and the KV cache; outside it: an untied head made fp32 after
-        # (infra/vllm_engine.fp32_head_in_worker), the generator process's receive buffer and its CUDA context
-        # (vllm_share leaves 1 GiB and that head of what is free)
+        # vLLM's share holds its weights in the body dtype and the KV cache; beside it, a row each: what
+        # infra.vllm_engine.outside_share counts, from which the engine computes the share it asks for
         P, _, _, b, _ = sizes(cfg, shape)
-        cols["generators"]["KV cache"] = max(0.0, VLLM_SHARE * GPU_GB * GB - b * P)
-        cols["generators"]["CUDA context"] = 0.5 * GB
+        cols["generators"] = {"engine weights": b * P, "KV cache": max(0.0, vllm_share(cfg, shape) - b * P),
+                              **vllm_offshare_rows(cfg, shape)}
     return cols
 
 
@@ -249,7 +260,7 @@ def memory_lines(cfg, shape, world, T, seq, flight):
         out.append(f"    {r}{' *' * (r.startswith('activations') and r != off)}".ljust(40) + "".join(
             f"{(totals[c] if r == 'total' else rows[r]) / u:>15.1f}" if r in rows or r == "total" else f"{'-':>15}"
             for c, rows in cols.items()))
-    kv = cols[list(cols)[-1]]["KV cache"]
+    kv, vllm = cols[list(cols)[-1]]["KV cache"], world > 1 and cfg.engine == "vllm"
     one_bucket = cfg.engine == "vllm" or cfg.off_policy == "ppo"
     return out + [
         "    verdict".ljust(40) + "".join(f"{'fits' if f else 'does not fit':>15}" for f in fits),
@@ -257,14 +268,18 @@ def memory_lines(cfg, shape, world, T, seq, flight):
             f"\n    (--micro_batch_tokens={cfg.micro_batch_tokens:,} holds no full sequence: a longer one is a "
             "micro-batch of its own)" if cfg.micro_batch_tokens < seq else ""),
         f"  KV cache {full / u:.2f} {unit} per full-length sequence: " + (
-            f"a generator's holds {kv / full:.0f} (vLLM's {VLLM_SHARE:.0%} less its weights) of its "
-            f"{flight}\n    completions in flight; vLLM pages the cache, queues the rest" if world > 1 and
-            cfg.engine == "vllm" else f"each engine allocates --slots={cfg.slots}"),
+            f"a generator's holds {kv / full:.0f} (vLLM's share less its weights) of its {flight}\n    completions in "
+            "flight; vLLM pages the cache, queues the rest" if vllm else f"each engine allocates --slots={cfg.slots}"),
         "  weight sync: " + (f"{cfg.sync_bucket_mb:,} MB buckets, two on trainer 0 (one packed, one in flight); a "
-                              "generator " + ("receives one at a time,\n    and copies it to hand it to vLLM"
-                                              if cfg.engine == "vllm" else "receives one at a time" if one_bucket
+                              "generator " + ("receives one at a time,\n    into a buffer vLLM's engine core "
+                                              "shares; one reload of its weights per version" if cfg.engine == "vllm"
+                                              else "receives one at a time" if one_bucket
                                               else "receives them into its engine's parameters")
-                              if world > 1 else "the engines load the gathered weights")]
+                              if world > 1 else "the engines load the gathered weights")] + ([
+            f"  vLLM's share {vllm_share(cfg, shape) / GB:.1f} GB (--gpu_memory_utilization={cfg.gpu_memory_utilization}"
+            f", less where the rows beside it need more); beside it\n    "
+            f"{sum(vllm_offshare_rows(cfg, shape).values()) / GB:.2f} GB (each a row below the KV cache), "
+            f"{GPU_GB - totals['generators'] / GB:.2f} GB of {GPU_GB} to spare"] if vllm else [])
 
 
 def plan(cfg):

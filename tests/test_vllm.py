@@ -180,13 +180,13 @@ def test_an_8b_generator_fits_beside_vllms_share():
     generator rank puts beside vLLM's share at its first in-flight update fits the 8 GB left, margin included. The
     receive buffer is the fp32 head's bucket; the largest layer a reload rebuilds is the bf16 embedding (the head
     goes in directly)."""
-    from infra.plan import GPU_GB, KNOWN_SHAPES, VLLM_SHARE, vllm_offshare_rows
+    from infra.plan import GPU_GB, KNOWN_SHAPES, vllm_offshare_rows
     cfg = scalerl.Config(**scalerl.PRESETS["8b"])
     V, H = 151936, 4096
     rows = vllm_offshare_rows(cfg, KNOWN_SHAPES["Qwen/Qwen3-8B"])
     assert rows["receive buffer (the largest bucket)"] == 4 * V * H  # 2.49 GB
     assert rows["reload's copy of the largest layer"] == rows["LM head made fp32 (net)"] == 2 * V * H  # 1.24 GB
-    assert sum(rows.values()) <= (1 - VLLM_SHARE) * GPU_GB * 1e9, rows  # 7.7 of 8.0 GB
+    assert sum(rows.values()) <= (1 - cfg.gpu_memory_utilization) * GPU_GB * 1e9, rows  # 7.7 of 8.0 GB
 
 
 def watch_reload(worker):
