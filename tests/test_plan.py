@@ -1,11 +1,10 @@
 """infra/plan.py, the --dry_run planner: every memory row and a verdict per GPU role, a configuration that cannot fit
 says so, the tiny default prints memory too, and the activation figures stay calibrated to bench/trainer_memory.py.
 In-process (scalerl.parse_args + infra.plan.plan) apart from one real `python scalerl.py --dry_run`."""
-
 import pytest
 
 import scalerl
-from conftest import run_command, scalerl_command
+from conftest import WITHOUT_VLLM, run_command, scalerl_command
 from infra import plan as planner
 
 ROWS = ("parameters (fp32 master)", "gradients (fp32)", "optimizer state (AdamW m, v)", "unsharded units (FSDP2)",
@@ -90,7 +89,7 @@ def test_one_node_names_the_split_that_fits():
     assert "does not fit" in text and "--gen_ranks=5 gives 3 trainer ranks, which do" in text
     assert "does not fit" not in plan("--config=8b", "--plan_gpus=8", "--gen_ranks=5")
     # what a GPU run takes when --gen_ranks is not given (infra/run.start): the share's split where it fits
-    cfg = scalerl.parse_args(["--config=8b"])
+    cfg = scalerl.parse_args(["--config=8b", "--dry_run"])  # --dry_run: the same options, vLLM installed or not
     assert planner.fitting_gen_ranks(cfg, 8) == 5 and planner.fitting_gen_ranks(cfg, 80) == 64
     assert planner.fitting_gen_ranks(cfg, 8, gpu_gb=141) == 6  # an H200 node: 2 trainer ranks hold 97.6 GB each
     assert planner.fitting_gen_ranks(cfg, 2, gpu_gb=24) == 0  # no split fits
@@ -107,7 +106,9 @@ def test_activation_estimate_matches_the_bench(ckpt, measured_mib):
 
 @pytest.mark.slow
 def test_the_real_command_prints_the_plan():
-    p = run_command(scalerl_command("--config=8b", "--dry_run", "--plan_gpus=8"), timeout=120)
+    """The 8B preset's engine is vLLM, which --dry_run neither needs nor imports: planned here as if it were not
+    installed (tests/without_vllm hides it from the process)."""
+    p = run_command(scalerl_command("--config=8b", "--dry_run", "--plan_gpus=8"), timeout=120, env=WITHOUT_VLLM)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "weight-sync buffers" in p.stdout and "verdict" in p.stdout and "Traceback" not in p.stderr
 
