@@ -1,14 +1,22 @@
-"""Shared test setup: run fully offline, import the flat modules from the project root, small threads; and the
-helpers several test files use (import them with `from conftest import ROOT, read_jsonl, ...`: pytest puts tests/
-on sys.path).
+"""Shared test setup: run fully offline, import the flat modules from the project root, small threads, skip the
+tests marked `vllm` where vLLM is not installed; and the helpers several test files use (import them with
+`from conftest import ROOT, read_jsonl, ...`: pytest puts tests/ on sys.path). What several files' tests only read
+is made once a session: one finished smoke run (finished_run, copied by each test that needs a run directory) and
+one warm-start cache (run_base). A refusal runs in-process (refused); a subprocess is kept where the process is what
+is tested (signals, kills, torchrun, exit codes of the real command).
 
-Run the whole suite with `python -m pytest` from the project root.
+Run the whole suite with `python -m pytest` from the project root; `PYTHONPATH=tests/without_vllm python -m pytest`
+runs it as if vLLM were not installed.
 """
 import hashlib
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+
+import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -19,12 +27,25 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)  # the test models are tiny: one thread is deterministic and fair to a shared machine
 
+
+def pytest_collection_modifyitems(config, items):
+    """Without vLLM (the optional extra, requirements-vllm.txt) the tests marked `vllm` skip, saying so."""
+    if importlib.util.find_spec("vllm") is None:
+        skip = pytest.mark.skip(reason="needs vLLM: pip install -r requirements-vllm.txt")
+        for item in items:
+            if "vllm" in item.keywords:
+                item.add_marker(skip)
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 # the environment of every subprocess the tests start: offline, whatever the caller's shell says
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+# added to ENV: a subprocess that runs as if vLLM were not installed (tests/without_vllm/sitecustomize.py)
+WITHOUT_VLLM = {"PYTHONPATH": os.pathsep.join(filter(None, [os.path.join(ROOT, "tests", "without_vllm"),
+                                                            os.environ.get("PYTHONPATH")]))}
 
 
 TIMING = {"dt", "device_hours", "cpu_hours", "gen_tok_s", "train_tok_s", "gen_busy", "train_busy",
@@ -53,6 +74,48 @@ def one_line_error(p):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr[-3000:]
     return lines[0]
+
+
+def refused(capsys, *argv):
+    """`python scalerl.py ARGV` run in this process where the command line must be refused: exit code 2 and stderr
+    exactly one `error: ...` line (any other exception fails the test, as a traceback would); returns that line.
+    Refusals need no process of their own: a process start costs seconds, and the subprocess runs test the rest."""
+    import scalerl
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        scalerl.main(scalerl.parse_args(list(argv)))
+    out, err = capsys.readouterr()
+    print(out, end="")  # what it printed stays the test's to read (capsys)
+    lines = err.strip().splitlines()
+    assert e.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (e.value.code, err[-3000:])
+    return lines[0]
+
+
+def run_base(tmp_path_factory, name):
+    """A fresh base directory for runs (their --out_dir inside it) whose supervised warm-start cache,
+    `<base>/warmstart/`, is one folder for the whole session: a warm start with the same options is computed once."""
+    base, shared = tmp_path_factory.mktemp(name), tmp_path_factory.getbasetemp() / "warmstart"
+    shared.mkdir(exist_ok=True)
+    (base / "warmstart").symlink_to(shared, target_is_directory=True)
+    return base
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory):
+    """A finished `python scalerl.py --config smoke --threads=1 --max_steps=2 --zero_var_filter=false` (the real
+    command), for the tests that inspect, damage or resume a run directory: each copies it (copy_run) instead of
+    running one of its own. The filter off: every step takes an optimizer step, so the optimizer state matters."""
+    out = run_base(tmp_path_factory, "finished") / "run"
+    p = run_command(scalerl_command("--config", "smoke", "--threads=1", f"--out_dir={out}", "--max_steps=2",
+                                    "--zero_var_filter=false"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return out
+
+
+def copy_run(src, dest):
+    """A copy of run directory `src` at `dest` (its lock file, from a process that has ended, included)."""
+    shutil.copytree(src, dest)
+    return dest
 
 
 def read_jsonl(path, torn_ok=False):

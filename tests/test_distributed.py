@@ -26,7 +26,7 @@ import time
 import pytest
 import torch
 
-from conftest import ENV, ROOT, read_jsonl, torchrun_command as torchrun  # also puts the project root on sys.path
+from conftest import ENV, ROOT, read_jsonl, run_base, torchrun_command as torchrun  # also puts the root on sys.path
 import losses
 import scalerl
 import trainer
@@ -39,7 +39,7 @@ ENV = {**ENV, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None,
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return tmp_path_factory.mktemp("dist")
+    return run_base(tmp_path_factory, "dist")  # the session's warm-start cache
 
 # ---------------------------------------------------------------------------------------------------------------------
 # 1. Roles

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import scalerl
-from conftest import (ENV, ROOT, one_line_error, read_jsonl, run_command, scalerl_command, torchrun_command,
-                      tree_hashes)
+from conftest import (ENV, ROOT, copy_run, one_line_error, read_jsonl, refused, run_base, run_command,
+                      scalerl_command, torchrun_command, tree_hashes)
 
 pytestmark = pytest.mark.slow
 
@@ -34,12 +34,9 @@ def command(out, *args):
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """A base directory whose warm-start cache is filled once, so runs reach their loop in seconds."""
-    base = tmp_path_factory.mktemp("faults")
-    p = run_command(command(base / "warm", "--max_steps=1"))
-    assert p.returncode == 0, p.stderr[-3000:]
-    return base
+def base(tmp_path_factory, finished_run):
+    """A base directory whose warm-start cache the finished run has filled, so runs reach their loop in seconds."""
+    return run_base(tmp_path_factory, "faults")
 
 
 def train_steps(out):
@@ -68,9 +65,8 @@ def small_fs(path, megabytes):
                           capture_output=True).returncode == 0
 
 
-def test_full_disk_at_a_checkpoint(base):
-    first = base / "disk_first"
-    assert run_command(command(first, "--max_steps=2")).returncode == 0
+def test_full_disk_at_a_checkpoint(base, finished_run):
+    first = finished_run  # 2 steps
     fs = base / "fs"
     used = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(first) for f in files) / 2 ** 20
     if not small_fs(fs, int(used + 5)):  # room for what is there, not for a second checkpoint beside it
@@ -92,10 +88,9 @@ def test_full_disk_at_a_checkpoint(base):
         subprocess.run(["umount", "-l", str(fs)], capture_output=True)
 
 
-def test_full_disk_injected(base, monkeypatch, capsys):
+def test_full_disk_injected(base, finished_run, monkeypatch, capsys):
     """The same at the file layer, in-process: torch.save meets ENOSPC at the step-4 checkpoint."""
-    out = base / "disk_injected"
-    scalerl.main(scalerl.parse_args(["--config", "smoke", "--threads=1", f"--out_dir={out}", "--max_steps=2"]))
+    out = copy_run(finished_run, base / "disk_injected")  # 2 steps
     before = (out / "ckpt.pt").read_bytes()
     real_save = torch.save
 
@@ -128,7 +123,7 @@ def train_steps_torn(out):
 
 def test_sigterm_checkpoints_and_resumes(base):
     out = base / "sigterm"
-    args = ("--max_steps=30", "--ckpt_every=100", "--eval_every=100")  # only the step-0 and final checkpoints
+    args = ("--max_steps=16", "--ckpt_every=100", "--eval_every=100")  # only the step-0 and final checkpoints
     proc = subprocess.Popen(command(out, *args), cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     wait_for_steps(out, 3, proc)
@@ -136,11 +131,11 @@ def test_sigterm_checkpoints_and_resumes(base):
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 143, stderr[-3000:]
     step = torch.load(out / "ckpt.pt", weights_only=True)["step"]
-    assert 3 <= step < 30 and f"stopped by SIGTERM at step {step}" in stdout and "--resume" in stdout
+    assert 3 <= step < 16 and f"stopped by SIGTERM at step {step}" in stdout and "--resume" in stdout
     assert train_steps(out)[-1] == step  # the checkpoint is the last logged step
     p = run_command(command(out, *args, "--resume"))
     assert p.returncode == 0, p.stderr[-3000:]
-    assert train_steps(out) == list(range(1, 31))
+    assert train_steps(out) == list(range(1, 17))
 
 
 def test_second_signal_exits_at_once(base):
@@ -176,7 +171,7 @@ def test_sigterm_during_the_warm_start_stops_within_seconds(tmp_path):
 
 def test_torchrun_sigterm_every_rank_stops_at_one_step(base):
     out = base / "torchrun_sigterm"
-    args = ("--max_steps=40", "--ckpt_every=100", "--eval_every=100", "--gen_ranks=1")
+    args = ("--max_steps=16", "--ckpt_every=100", "--eval_every=100", "--gen_ranks=1")
     cmd = torchrun_command("--standalone", "--nproc_per_node=3", *command(out, *args)[1:])
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**ENV, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -184,12 +179,12 @@ def test_torchrun_sigterm_every_rank_stops_at_one_step(base):
     os.killpg(proc.pid, signal.SIGTERM)  # as a scheduler does: every process of the job
     stdout, stderr = proc.communicate(timeout=240)
     step = torch.load(out / "ckpt.pt", weights_only=True)["step"]
-    assert 3 <= step < 40 and f"stopped by SIGTERM at step {step}" in stdout, stdout[-2000:] + stderr[-3000:]
+    assert 3 <= step < 16 and f"stopped by SIGTERM at step {step}" in stdout, stdout[-2000:] + stderr[-3000:]
     assert train_steps(out)[-1] == step
     p = run_command(torchrun_command("--standalone", "--nproc_per_node=3", *command(out, *args, "--resume")[1:]),
                     env={"OMP_NUM_THREADS": "1"}, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert train_steps(out) == list(range(1, 41))
+    assert train_steps(out) == list(range(1, 17))
 
 
 def test_torchrun_generator_write_fails_cleanly(base):
@@ -209,42 +204,42 @@ def test_torchrun_generator_write_fails_cleanly(base):
     assert not (out / "generator2.pt.tmp").exists()
 
 
-def test_resume_of_a_live_run_is_refused_before_it_says_anything(base):
+def test_resume_of_a_live_run_is_refused_before_it_says_anything(base, finished_run, capsys):
     """--resume while another process holds the run's lock: one line naming that pid, nothing printed before it (no
-    "resumed ... at step"), nothing in the directory changed."""
-    out = base / "live"
-    assert run_command(command(out, "--max_steps=2")).returncode == 0
+    "resumed ... at step"), nothing in the directory changed. The run in this process: a flock taken through another
+    open file conflicts as another process's would."""
+    out = copy_run(finished_run, base / "live")
     fd = os.open(out / ".lock", os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a live run holds it
         os.ftruncate(fd, 0)
         os.pwrite(fd, b"4242", 0)
         before = tree_hashes(out)
-        p = run_command(command(out, "--resume", "--max_steps=4"))
-        assert "in use by a live run (pid 4242)" in one_line_error(p) and "resumed" not in p.stdout
+        capsys.readouterr()
+        line = refused(capsys, "--config", "smoke", "--threads=1", f"--out_dir={out}", "--resume", "--max_steps=4")
+        assert "in use by a live run (pid 4242)" in line and "resumed" not in capsys.readouterr().out
         assert tree_hashes(out) == before
     finally:
         os.close(fd)
 
 
-def test_a_read_only_run_directory_is_refused_in_one_line_at_start(base):
+def test_a_read_only_run_directory_is_refused_in_one_line_at_start(base, capsys):
     path = base / "ro"
     path.mkdir()
     if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)],
                                            capture_output=True).returncode != 0:
         pytest.skip("cannot mount a read-only tmpfs here (needs root)")
     try:
-        p = run_command(command(path / "run"))
-        assert "cannot write run directory" in one_line_error(p) and "warm start" not in p.stdout
+        line = refused(capsys, "--config", "smoke", "--threads=1", f"--out_dir={path / 'run'}")
+        assert "cannot write run directory" in line and "warm start" not in capsys.readouterr().out
     finally:
         subprocess.run(["umount", str(path)], check=True)
 
 
-def test_a_torn_evaluation_row_is_evaluated_again_on_resume(base):
+def test_a_torn_evaluation_row_is_evaluated_again_on_resume(base, finished_run):
     """A kill while the last row (the checkpoint step's evaluation) was being written leaves it torn: --resume drops
     the torn line and evaluates that step again, so every evaluation step keeps its row."""
-    out = base / "torn"
-    assert run_command(command(out, "--max_steps=2", "--eval_every=2")).returncode == 0
+    out = copy_run(finished_run, base / "torn")  # 2 steps, --eval_every=2 (smoke's)
     lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
     assert '"eval": true' in lines[-1] and '"step": 2' in lines[-1]
     (out / "metrics.jsonl").write_text("".join(lines[:-1]) + lines[-1][:40])  # torn mid-write

@@ -6,7 +6,7 @@ Run: python -m pytest tests/test_learns.py
 """
 import pytest
 
-from conftest import read_jsonl, run_command, scalerl_command
+from conftest import read_jsonl, run_base, run_command, scalerl_command
 
 
 LEARNS = ["--threads=1", "--levels=1", "--sft_steps=300", "--sft_batch=32", "--sft_error_rate=0.4", "--lr=1e-4",
@@ -15,8 +15,8 @@ LEARNS = ["--threads=1", "--levels=1", "--sft_steps=300", "--sft_batch=32", "--s
 
 
 @pytest.mark.slow
-def test_reward_rises_in_a_short_run(tmp_path):
-    out = tmp_path / "learn"
+def test_reward_rises_in_a_short_run(tmp_path_factory):
+    out = run_base(tmp_path_factory, "learns") / "run"  # its warm start cached for the vLLM engine's learning test
     p = run_command(scalerl_command(f"--out_dir={out}", *LEARNS), timeout=900)
     assert p.returncode == 0, p.stderr[-2000:]
     rows = read_jsonl(out / "metrics.jsonl")

@@ -22,7 +22,7 @@ import torch
 import scalerl
 import trainer
 from infra import sources
-from conftest import one_line_error, read_jsonl, run_command, scalerl_command, tree_hashes
+from conftest import one_line_error, read_jsonl, refused, run_command, scalerl_command, tree_hashes
 
 pytestmark = pytest.mark.slow
 
@@ -108,10 +108,10 @@ def test_eval_only_repeats_the_last_evaluation_and_export_on_demand(own, run):
     assert all(torch.equal(weights[k], before[k]) for k in weights)
 
 
-def test_resume_keeps_the_runs_options(own, run):
+def test_resume_keeps_the_runs_options(own, run, capsys):
     out, _ = run
     before = tree_hashes(out)
-    line = one_line_error(run_command(scalerl_command(f"--out_dir={out}", "--resume", "--loss=dapo")))
+    line = refused(capsys, f"--out_dir={out}", "--resume", "--loss=dapo")
     assert "--loss=dapo does not fit this run" in line and "--max_steps" in line
     assert tree_hashes(out) == before
     p = run_command(scalerl_command(f"--out_dir={out}", "--resume", "--max_steps=6"), timeout=300)
@@ -143,7 +143,7 @@ def test_tracker(own, tmp_path):
         assert any(name.startswith("events.") for name in os.listdir(out / "tensorboard"))
 
 
-def test_data_from_the_command_line(own, tmp_path):
+def test_data_from_the_command_line(own, tmp_path, capsys):
     """reasoning-gym options from --task_options reach the task; a named dataset offline without a local copy, an
     unknown option and an unknown dataset name are one line each, naming the fix or the choices."""
     model, rows, _ = own
@@ -154,6 +154,6 @@ def test_data_from_the_command_line(own, tmp_path):
                          (["--task=rg:chain_sum", '--task_options={"nope": 1}', "--data_path="], "nope"),
                          (["--task=gsm8", "--data_path="], "gsm8k"),
                          (["--task=rg:chain_sum", "--task_options=[1]"], "JSON object")):
-        line = one_line_error(run_command(command(own, tmp_path / "bad", *args)))
+        line = refused(capsys, *command(own, tmp_path / "bad", *args)[2:])  # in this process: a refusal
         assert needle in line, line
         assert not (tmp_path / "bad").exists()

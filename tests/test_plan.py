@@ -1,11 +1,10 @@
 """infra/plan.py, the --dry_run planner: every memory row and a verdict per GPU role, a configuration that cannot fit
 says so, the tiny default prints memory too, and the activation figures stay calibrated to bench/trainer_memory.py.
 In-process (scalerl.parse_args + infra.plan.plan) apart from one real `python scalerl.py --dry_run`."""
-
 import pytest
 
 import scalerl
-from conftest import run_command, scalerl_command
+from conftest import WITHOUT_VLLM, run_command, scalerl_command
 from infra import plan as planner
 
 ROWS = ("parameters (fp32 master)", "gradients (fp32)", "optimizer state (AdamW m, v)", "unsharded units (FSDP2)",
@@ -109,7 +108,8 @@ def test_one_node_plans_the_split_the_run_takes():
     assert "generator ranks: 5, not --gen_share's" in text
     text = plan("--config=8b", "--plan_gpus=8", "--gen_ranks=6")
     assert "does not fit" in text and "--gen_ranks=5 gives 3 trainer ranks, which do" in text
-    cfg = scalerl.parse_args(["--config=8b"])
+    # --dry_run: the same options, vLLM installed or not
+    cfg = scalerl.parse_args(["--config=8b", "--dry_run"])
     assert planner.fitting_gen_ranks(cfg, 8) == 5 and planner.fitting_gen_ranks(cfg, 80) == 64
     assert planner.fitting_gen_ranks(cfg, 8, gpu_gb=141) == 6  # an H200 node: 2 trainer ranks hold 97.6 GB each
     assert planner.fitting_gen_ranks(cfg, 2, gpu_gb=24) == 0  # no split fits
@@ -121,7 +121,7 @@ def test_one_node_plans_the_split_the_run_takes():
 def test_the_paper_presets_hold_their_time_outs(preset, gpus):
     """No wait is shorter than the work it waits for: a preset's --dist_timeout=0 takes twice the longest estimated
     work a wait covers, and the plan shows it with the step, generation and evaluation estimates."""
-    cfg = scalerl.parse_args([f"--config={preset}"])
+    cfg = scalerl.parse_args([f"--config={preset}", "--dry_run"])
     g, timeout, problem = planner.settle(cfg, gpus)
     assert problem is None and timeout >= 1800
     text = plan(f"--config={preset}", f"--plan_gpus={gpus}")
@@ -131,11 +131,11 @@ def test_the_paper_presets_hold_their_time_outs(preset, gpus):
 def test_a_time_out_shorter_than_the_work_is_refused_with_the_arithmetic():
     """The 100k GPU-hour run's step (2,048 prompts x 16) takes over an hour on 16 trainer GPUs: 30 min is refused; and
     an evaluation that outlasts --eval_every steps would queue up."""
-    cfg = scalerl.parse_args(["--config=8b_batch2048", "--dist_timeout=1800"])
+    cfg = scalerl.parse_args(["--config=8b_batch2048", "--dist_timeout=1800", "--dry_run"])
     problem = planner.settle(cfg, 80)[2]
     assert problem.startswith("--dist_timeout=1800 s is shorter than 2 x a trainer step") and "give it at least" in problem
     assert "refused at start: --dist_timeout=1800 s" in plan("--config=8b_batch2048", "--dist_timeout=1800")
-    problem = planner.settle(scalerl.parse_args(["--config=8b", "--eval_every=1"]), 80)[2]
+    problem = planner.settle(scalerl.parse_args(["--config=8b", "--eval_every=1", "--dry_run"]), 80)[2]
     assert "outlasts --eval_every=1 steps" in problem
 
 
@@ -158,7 +158,9 @@ def test_activation_estimate_matches_the_bench(ckpt, measured_mib):
 
 @pytest.mark.slow
 def test_the_real_command_prints_the_plan():
-    p = run_command(scalerl_command("--config=8b", "--dry_run", "--plan_gpus=8"), timeout=120)
+    """The 8B preset's engine is vLLM, which --dry_run neither needs nor imports: planned here as if it were not
+    installed (tests/without_vllm hides it from the process)."""
+    p = run_command(scalerl_command("--config=8b", "--dry_run", "--plan_gpus=8"), timeout=120, env=WITHOUT_VLLM)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "weight-sync buffers" in p.stdout and "verdict" in p.stdout and "Traceback" not in p.stderr
 

@@ -4,15 +4,14 @@
    logged; after --max_nonfinite in a row the run exits with one line and a checkpoint of the last good weights.
 2. A reward verifier that raises (a monkeypatched `data.reward`) costs only that completion: reward -1, counted in
    `reward_errors`, one warning line naming the prompt; the run finishes.
-3. A table of bad invocations run as real subprocesses against an existing run directory: each exits non-zero
-   with one `error:` line and leaves every file of that directory byte-for-byte unchanged.
+3. A table of bad invocations (scalerl.main in-process) against a run directory the real command wrote: each exits
+   with code 2 and one `error:` line and leaves every file of that directory byte-for-byte unchanged.
 4. Real kills: SIGKILL the real command at seeded random points, --resume until it finishes; the log holds every
    step exactly once, and the rows written before the first kill agree with an uninterrupted run.
 
 Runs 1-2 call scalerl.main in-process on the smoke preset; all runs share one base directory, so the supervised
 warm start is computed once. Run: python -m pytest tests/test_reliability.py (about a minute on two CPU cores).
 """
-from concurrent.futures import ThreadPoolExecutor
 import os
 import random
 import re
@@ -29,8 +28,8 @@ import pipeline_rl
 import scalerl
 import trainer
 from infra import sources
-from conftest import (ENV, ROOT, TIMING, one_line_error, read_jsonl, run_command, scalerl_command,
-                      torchrun_command, tree_hashes)
+from conftest import (ENV, ROOT, TIMING, copy_run, one_line_error, read_jsonl, refused, run_base, run_command,
+                      scalerl_command, torchrun_command, tree_hashes)
 
 
 def command(out, *args):
@@ -39,7 +38,7 @@ def command(out, *args):
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    return tmp_path_factory.mktemp("reliability")
+    return run_base(tmp_path_factory, "reliability")  # the session's warm-start cache
 
 
 def main_smoke(out, *args):
@@ -225,11 +224,9 @@ class Unsafe:  # an arbitrary class: torch.load(weights_only=True) must refuse t
 
 
 @pytest.fixture(scope="module")
-def bad_runs(base):
-    """An existing 2-step run and damaged copies of it; every bad invocation run against them, three at a time."""
-    run = base / "existing"
-    p = run_command(command(run, "--max_steps=2"))
-    assert p.returncode == 0, p.stderr[-3000:]
+def bad_runs(base, finished_run):
+    """An existing 2-step run (the real command's) and damaged copies of it, with every file's hash."""
+    run = copy_run(finished_run, base / "existing")
     dirs = {"run": run}
     for name in ("no_ckpt", "garbage", "truncated", "foreign", "unsafe"):
         dirs[name] = base / f"existing_{name}"
@@ -241,24 +238,17 @@ def bad_runs(base):
     (dirs["truncated"] / "ckpt.pt").write_bytes(blob[:len(blob) // 2])
     torch.save({"model": torch.zeros(3), "step": 5}, dirs["foreign"] / "ckpt.pt")
     torch.save({"model": Unsafe()}, dirs["unsafe"] / "ckpt.pt")
-    before = {k: tree_hashes(v) for k, v in dirs.items()}
-
-    def one(case):
-        name, where, argv, _ = case
-        out = base / f"fresh_{BAD_RUNS.index(case)}" if where == "fresh" else dirs[where]
-        return name, (run_command(command(out, *argv), timeout=300), out)
-    with ThreadPoolExecutor(3) as pool:
-        results = dict(pool.map(one, BAD_RUNS))
-    return results, dirs, before
+    return dirs, {k: tree_hashes(v) for k, v in dirs.items()}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", BAD_RUNS, ids=[c[0] for c in BAD_RUNS])
-def test_bad_invocation_one_line_dir_untouched(bad_runs, case):
-    results, dirs, before = bad_runs
-    name, where, _, needle = case
-    p, out = results[name]
-    line = one_line_error(p)
+def test_bad_invocation_one_line_dir_untouched(bad_runs, case, capsys):
+    """Each bad invocation in this process (scalerl.main), the run directories made by the real command."""
+    dirs, before = bad_runs
+    name, where, argv, needle = case
+    out = dirs["run"].parent / f"fresh_{BAD_RUNS.index(case)}" if where == "fresh" else dirs[where]
+    line = refused(capsys, "--config", "smoke", "--threads=1", f"--out_dir={out}", *argv)
     assert needle in line, line
     if where == "fresh":
         assert not os.path.exists(out)  # nothing created
@@ -297,8 +287,9 @@ def test_sigkill_and_resume_until_done(base, k):
     groups in flight at the checkpoint are regenerated after a resume from new prompts and sampling positions."""
     args = ("--max_steps=12", "--ckpt_every=2", "--zero_var_filter=false", f"--max_lag={k}")
     ref, out = base / f"uninterrupted_k{k}", base / f"killed_k{k}"
-    p = run_command(command(ref, *args))
-    assert p.returncode == 0, p.stderr[-3000:]
+    # the uninterrupted run beside the killed ones: each takes one thread, the machine has two cores
+    err_log = base / f"uninterrupted_k{k}.err"
+    uninterrupted = subprocess.Popen(command(ref, *args), env=ENV, stdout=subprocess.DEVNULL, stderr=open(err_log, "w"))
     rng, kills, first_ck_step, attempts = random.Random(9 + k), 0, None, 0
     while True:
         attempts += 1
@@ -317,6 +308,7 @@ def test_sigkill_and_resume_until_done(base, k):
             break
         assert proc.returncode == -signal.SIGKILL, err[-3000:]
     assert kills >= 2
+    assert uninterrupted.wait(timeout=600) == 0, err_log.read_text()[-3000:]
     rows = read_jsonl(out / "metrics.jsonl")  # no torn line left behind
     train = [r["step"] for r in rows if "pass_rate" not in r]
     evals = [r["step"] for r in rows if "pass_rate" in r]

@@ -49,11 +49,15 @@ def test_a_two_process_run_goes_through_torchrun(tmp_path):
     assert os.path.exists(tmp_path / "pipeline_2proc-s0" / "ckpt.pt") and os.path.exists(tmp_path / "results.md")
 
 
-def test_unknown_run_is_refused(tmp_path):
-    p = run_ablations(tmp_path, "--only", "scalerl,nonsense")
-    assert p.returncode == 2 and "unknown variant(s) nonsense" in p.stderr
-    p = run_ablations(tmp_path, "--seeds", "0,one")
-    assert p.returncode == 2 and "--seeds must be comma-separated integers >= 0, got '0,one'" in p.stderr
+def test_unknown_run_is_refused(tmp_path, monkeypatch, capsys):
+    """In this process (ablations.main, what the command runs): a refusal needs no process of its own."""
+    for argv, needle in ((["--only", "scalerl,nonsense"], "unknown variant(s) nonsense"),
+                         (["--seeds", "0,one"], "--seeds must be comma-separated integers >= 0, got '0,one'")):
+        monkeypatch.setattr(sys, "argv", ["ablations.py", "--out", str(tmp_path), *argv])
+        with pytest.raises(SystemExit) as e:
+            ablations.main()
+        assert e.value.code == 2 and needle in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []  # nothing launched
 
 
 def synthetic(variant, seed, A, B=1.5, c_mid=0.02, r0=0.3, noise=0.01):

@@ -11,7 +11,9 @@ the `smoke` preset.
 All runs share one temporary base directory, so the supervised warm start is computed once and then read from
 its cache (`<base>/warmstart/`). Run: python -m pytest tests/test_scalerl.py (add `-m "not slow"` to skip the runs).
 """
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
+import importlib.util
 import inspect
 import json
 import math
@@ -26,7 +28,8 @@ import torch
 import scalerl
 import trainer
 from infra import cli
-from conftest import TIMING, one_line_error, read_jsonl, run_command, scalerl_command, tree_hashes
+from conftest import (TIMING, copy_run, one_line_error, read_jsonl, refused, run_base, run_command, scalerl_command,
+                      tree_hashes)
 
 METRIC_NAMES = {"step", "device_hours", "policy_version", "reward", "loss", "clip_frac", "mismatch_kl", "lag_mean",
                 "lag_max", "dropped_stale", "trunc_rate", "zero_var_frac", "npr_removed", "gen_tok_s", "train_tok_s",
@@ -121,7 +124,21 @@ def test_an_option_newer_than_the_run_counts_as_its_default(tmp_path, capsys):
 
 @pytest.mark.parametrize("preset", list(scalerl.PRESETS))
 def test_every_preset_passes_the_option_checks(preset):
-    cli.validate(scalerl.parse_args(["--config", preset]))
+    # --dry_run: every check but whether this machine has the preset's engine (the next test)
+    cli.validate(scalerl.parse_args(["--config", preset, "--dry_run"]))
+
+
+def test_without_vllm_a_vllm_run_is_refused_in_one_line_and_its_help_and_plan_work(monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(SystemExit) as e:
+        scalerl.parse_args(["--config=8b"])
+    line = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and line.startswith("error: --engine=vllm needs vLLM") and "requirements-vllm.txt" in line
+    with pytest.raises(SystemExit) as e:
+        scalerl.parse_args(["--config=8b", "--help"])
+    assert e.value.code == 0 and "default from preset '8b'" in capsys.readouterr().out
+    assert scalerl.parse_args(["--config=8b", "--dry_run"]).engine == "vllm"
 
 
 def test_preset_then_overrides():
@@ -173,7 +190,7 @@ def test_help_shows_the_defaults_this_command_line_starts_from(capsys, argv, pre
     for key in ("think_max", "lr", "batch_prompts", "model", "dtype"):
         value = want.get(key, getattr(scalerl.Config, key))
         assert f"--{key}={json.dumps(value) if isinstance(value, str) else value} " in out, key
-    assert scalerl.parse_args(argv).preset == preset
+    assert scalerl.parse_args(argv + ["--dry_run"]).preset == preset  # --dry_run: 8b's vLLM need not be installed
 
 
 def test_help_lists_every_option_with_its_comment(capsys):
@@ -201,13 +218,13 @@ def run(*args, timeout=600):
     return run_command(scalerl_command("--config", "smoke", "--threads=1", *args), timeout=timeout)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One base directory for every run: the warm start is cached in <base>/warmstart/ and shared."""
-    return tmp_path_factory.mktemp("runs")
+    """One base directory for every run: the warm start is cached in <base>/warmstart/ (the session's) and shared."""
+    return run_base(tmp_path_factory, "runs")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smoke_run(runs):
     out = runs / "smoke"
     p = run(f"--out_dir={out}")
@@ -285,13 +302,10 @@ def test_existing_run_dir_refused_and_untouched(smoke_run):
 
 
 @pytest.mark.slow
-def test_resume_continues_the_log(runs, smoke_run):
-    out = runs / "resume"
-    # zero_var_filter off: every step takes an optimizer step whatever the rewards, so the optimizer state matters
-    p = run(f"--out_dir={out}", "--max_steps=2", "--zero_var_filter=false")
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    if scalerl.PRESETS["smoke"].get("sft_steps", scalerl.Config().sft_steps) > 0:
-        assert "warm start: loaded" in p.stdout  # the smoke run's cached warm start was reused
+def test_resume_continues_the_log(runs, finished_run):
+    # 2 steps with zero_var_filter off: every step takes an optimizer step whatever the rewards (the optimizer state
+    # matters)
+    out = copy_run(finished_run, runs / "resume")
     first = read_jsonl(out / "metrics.jsonl")
     assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 2
 
@@ -322,8 +336,9 @@ def test_rl_seed_varies_rl_alone(runs, smoke_run):
     the same warm start is loaded; --rl_seed equal to --seed is the default run, row for row."""
     strip = lambda path: [{k: v for k, v in r.items() if k not in TIMING} for r in read_jsonl(path)]  # noqa: E731
     loaded = set()
-    for s in (0, 1):
-        p = run(f"--out_dir={runs / f'rl_seed{s}'}", f"--rl_seed={s}")
+    with ThreadPoolExecutor(2) as pool:  # side by side: each run takes one thread, the machine has two cores
+        done = list(pool.map(lambda s: run(f"--out_dir={runs / f'rl_seed{s}'}", f"--rl_seed={s}"), (0, 1)))
+    for p in done:
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         loaded |= {line for line in p.stdout.splitlines() if line.startswith("warm start: loaded")}
     assert len(loaded) == 1  # both from the smoke run's warm start
@@ -333,37 +348,35 @@ def test_rl_seed_varies_rl_alone(runs, smoke_run):
     assert len(other) == len(base) and other != base
 
 
-@pytest.mark.slow
-def test_resume_without_checkpoint_refused(runs):
+def test_resume_without_checkpoint_refused(runs, capsys):
     out = runs / "empty"
     out.mkdir()
-    line = one_line_error(run(f"--out_dir={out}", "--resume"))
+    line = refused(capsys, "--config", "smoke", f"--out_dir={out}", "--resume")
     assert "checkpoint" in line and str(out) in line
     assert os.listdir(out) == []
 
 @pytest.mark.slow
-def test_failed_start_folder(runs, smoke_run):
+def test_failed_start_folder(runs, smoke_run, capsys):
     """A folder whose run stopped before its first checkpoint (here: an empty log and a config, as a kill during the
     step-0 evaluation leaves it) cannot be resumed, and starts afresh without --resume."""
     out = runs / "failed_start"
     out.mkdir()
     (out / "metrics.jsonl").write_text("")
     (out / "config.json").write_text(json.dumps(dict(config=asdict(scalerl.parse_args(["--config", "smoke"])))))
-    assert "no checkpoint" in one_line_error(run(f"--out_dir={out}", "--resume"))
+    assert "no checkpoint" in refused(capsys, "--config", "smoke", f"--out_dir={out}", "--resume")
     p = run(f"--out_dir={out}", "--max_steps=2")
     assert p.returncode == 0, p.stderr[-3000:]
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "eval" not in r] == [1, 2]
 
 
 @pytest.mark.slow
-def test_a_start_that_failed_after_its_step_0_checkpoint_starts_afresh(runs):
+def test_a_start_that_failed_after_its_step_0_checkpoint_starts_afresh(runs, finished_run, capsys):
     """A torchrun start whose generator rank failed after trainer rank 0 wrote the step-0 checkpoint holds nothing to
     continue: a fresh start goes over it. A checkpoint past step 0 is still refused, its log lost or not."""
-    out = runs / "step0"
-    assert run(f"--out_dir={out}", "--max_steps=2").returncode == 0
+    out = copy_run(finished_run, runs / "step0")
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     (out / "metrics.jsonl").write_text("")
-    assert "already holds a run" in one_line_error(run(f"--out_dir={out}", "--max_steps=2"))  # step 2's checkpoint
+    assert "already holds a run" in refused(capsys, "--config", "smoke", f"--out_dir={out}")  # step 2's checkpoint
     torch.save(dict(ckpt, step=0), out / "ckpt.pt")
     p = run(f"--out_dir={out}", "--max_steps=2")
     assert p.returncode == 0, p.stderr[-3000:]
@@ -374,9 +387,8 @@ def test_a_start_that_failed_after_its_step_0_checkpoint_starts_afresh(runs):
 # 5. Bad task sources
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", ["missing", "too_few", "no_answer_column"])
-def test_bad_task_source(runs, case):
+def test_bad_task_source(runs, case, capsys):
     d = runs / f"task_{case}"
     d.mkdir()
     path, needle = {"missing": ("/nonexistent/file.jsonl", "does not exist"),
@@ -387,9 +399,7 @@ def test_bad_task_source(runs, case):
         if case == "no_answer_column":
             rows = [{"problem": r["problem"], "solution": r["answer"]} for r in rows]
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    p = run(f"--out_dir={d / 'run'}", f"--task={path}", "--eval_prompts=8")
-    assert p.returncode == 2
-    line = one_line_error(p)
+    line = refused(capsys, "--config", "smoke", f"--out_dir={d / 'run'}", f"--task={path}", "--eval_prompts=8")
     assert str(path) in line and needle in line, line
     assert not os.path.exists(d / "run" / "metrics.jsonl")
 

@@ -323,20 +323,21 @@ def test_cli_writes_a_plot(tmp_path):
     assert " 0.645 " in p.stdout and f"predict {(C > 50000).sum()} later points" in p.stdout and png.exists()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("content, msg", [
     (None, "no such file"),
     ("compute,pass_rate\n" "10,0.4\n20,0.45\n30,0.5\n", "at least 4 points"),
     ("compute,pass_rate\n" "0,0.4\n10,0.401\n20,0.402\n30,0.401\n40,0.403\n", "never rises above R0"),
     ("compute,pass_rate\n" "0,0.4\n10,0.5\n30,0.55\n20,0.6\n40,0.61\n", "compute decreases"),
 ])
-def test_cli_bad_input_is_one_line(tmp_path, content, msg):
+def test_cli_bad_input_is_one_line(tmp_path, content, msg, capsys):
+    """In this process (sf.main, what the command runs): a refusal needs no process of its own."""
     path = tmp_path / "points.csv"
     if content is not None:
         path.write_text(content)
-    p = run_cli(str(path), "--r0", "0.4") if content and "\n0," not in content else run_cli(str(path))
-    assert p.returncode == 2 and p.stdout == ""
-    assert p.stderr.startswith("error: ") and msg in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    code = sf.main([str(path), "--r0", "0.4"] if content and "\n0," not in content else [str(path)])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err.startswith("error: ") and msg in err and len(err.strip().splitlines()) == 1
 
 
 # ----------------------------------------------------------------------------- CSV columns by name, short runs

@@ -3,7 +3,7 @@
 Needs vLLM (pip install -r requirements-vllm.txt); every test is skipped where it is not installed. The model is the
 tiny default (trainer.tiny_model, character tokenizer) after a short warm start, so its next-token distributions are
 peaked as in training. Each engine starts in a few seconds after a ~10 s import of vllm.
-Run: python -m pytest tests/test_vllm.py -q      (the three slow tests run scalerl.py with --engine vllm: minutes)
+Run: python -m pytest tests/test_vllm.py -q      (the slow tests run scalerl.py with --engine vllm: minutes)
 """
 from dataclasses import replace
 import json
@@ -25,7 +25,7 @@ from infra.dist import buckets, new_bucket  # noqa: E402
 from infra.run import make_engine  # noqa: E402
 from infra import run as infra_run  # noqa: E402
 from infra.vllm_engine import VLLMEngine, vllm_share  # noqa: E402
-from conftest import read_jsonl, run_command, scalerl_command, torchrun_command  # noqa: E402
+from conftest import read_jsonl, run_base, run_command, scalerl_command, torchrun_command  # noqa: E402
 from test_learns import LEARNS  # noqa: E402
 
 
@@ -446,24 +446,39 @@ def test_temperature_below_vllm_floor_is_refused(tiny, capsys):
     assert e.value.code == 2 and "floor" in capsys.readouterr().err
 
 
-def run(tmp_path, *args):
-    p = run_command(scalerl_command("--engine=vllm", f"--out_dir={tmp_path / 'run'}", *args), timeout=1500)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The runs' base directory: its warm-start cache is the session's, shared with the torch engine's runs."""
+    return run_base(tmp_path_factory, "vllm_runs")
+
+
+def run(out, *args):
+    p = run_command(scalerl_command("--engine=vllm", f"--out_dir={out}", *args), timeout=1500)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    return read_jsonl(tmp_path / "run" / "metrics.jsonl"), p.stdout
+    return read_jsonl(out / "metrics.jsonl"), p.stdout
+
+
+@pytest.fixture(scope="module")
+def learning_run(runs):
+    """One `python scalerl.py --engine=vllm` run that two tests read: the setting of tests/test_learns.py (the torch
+    engine's learning test, whose cached warm start it loads), with a checkpoint midway."""
+    rows, out = run(runs / "learns", *LEARNS, "--ckpt_every=20")
+    return runs / "learns", rows, out
 
 
 @pytest.mark.slow
-def test_smoke_run_with_vllm_engine(tmp_path):
-    rows, out = run(tmp_path, "--config=smoke")
+def test_smoke_run_with_vllm_engine(learning_run):
+    path, rows, out = learning_run
     assert "engine vllm" in out
-    assert [r["step"] for r in rows if "reward" in r] == [1, 2, 3, 4]
-    assert json.load(open(tmp_path / "run" / "config.json"))["config"]["engine"] == "vllm"
+    assert [r["step"] for r in rows if "reward" in r] == list(range(1, 41)) and "--max_steps=40" in LEARNS
+    assert json.load(open(path / "config.json"))["config"]["engine"] == "vllm"
+    assert torch.load(path / "ckpt.pt", weights_only=True)["step"] == 40
 
 
 @pytest.mark.slow
-def test_reward_rises_with_vllm_engine(tmp_path):
+def test_reward_rises_with_vllm_engine(learning_run):
     # The setting and the bar of tests/test_learns.py (the torch engine's learning test).
-    rows, _ = run(tmp_path, *LEARNS)
+    _, rows, _ = learning_run
     reward = [r["reward"] for r in rows if "reward" in r]
     first, last = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
     assert last - first > 0.15, (first, last, reward)
@@ -471,7 +486,7 @@ def test_reward_rises_with_vllm_engine(tmp_path):
 
 
 @pytest.mark.slow
-def test_torchrun_generator_rank_on_vllm_through_a_preemption(tmp_path):
+def test_torchrun_generator_rank_on_vllm_through_a_preemption(runs):
     """Under torchrun the vLLM engine core runs in a child process of its rank (a second torch.distributed world
     cannot live in the rank's own process); weights reach it in flight after every optimizer step. torchrun's SIGTERM
     reaches each worker's process group: the engine core has left it, so the generator serves the trainer until it
@@ -481,7 +496,7 @@ def test_torchrun_generator_rank_on_vllm_through_a_preemption(tmp_path):
     import signal
     import subprocess
     from conftest import ENV, ROOT
-    out = tmp_path / "run"
+    out = runs / "preempted"
     cmd = torchrun_command("--standalone", "--nproc_per_node=2", "scalerl.py", "--config=smoke", "--threads=1",
                            "--engine=vllm", f"--out_dir={out}", "--max_steps=8", "--eval_every=3", "--ckpt_every=100",
                            "--zero_var_filter=false")
@@ -506,10 +521,10 @@ def test_torchrun_generator_rank_on_vllm_through_a_preemption(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_generator_rank_that_cannot_start_names_itself(tmp_path):
+def test_a_generator_rank_that_cannot_start_names_itself(runs):
     """Only the generator rank builds a vLLM engine under torchrun, so only it refuses a temperature below vLLM's
     floor, and its line names it."""
-    out = tmp_path / "run"
+    out = runs / "cannot_start"
     cmd = torchrun_command("--standalone", "--nproc_per_node=2", "scalerl.py", "--config=smoke", "--threads=1",
                            "--engine=vllm", "--temperature=0.005", f"--out_dir={out}", "--dist_timeout=120")
     p = run_command(cmd, timeout=900, env=dict(OMP_NUM_THREADS="1"))
