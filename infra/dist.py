@@ -262,18 +262,24 @@ class TrainerLink(BatchSource):
         with waiting_for(self.job, "the job's TCPStore (held-out request)"):
             self.job.store.set(f"eval/{version}", "")
 
-    def evals(self, until=0):
+    def evals(self, until=0, patient=False):
         """Trainer rank 0: [(row, results, (first, last) version of their tokens)] of the complete evaluations, in
-        order, and those of versions before `until` waited for (a checkpoint's rows before its step; the end's: all)."""
+        order, and those of versions before `until` waited for: at a checkpoint at most --dist_timeout (the other
+        trainer ranks wait in a collective meanwhile; infra.plan holds that these have ended), at the end (`patient`,
+        once the other ranks are done) as long as the generators make tokens."""
         out = []
         for v in sorted(self.asked):
             keys = [f"eval/{v}/{rank}" for rank in self.job.generators]
             if not (v < until or self.job.store.check(keys)):
                 break
-            self._wait_generating(keys, f"the held-out pass rate of policy version {v} from generator ranks "
-                                  f"{self.job.generators}")
+            what = f"the held-out pass rate of policy version {v} from generator ranks {self.job.generators}"
+            if patient:
+                self._wait_generating(keys, what)
+            with waiting_for(self.job, what + " (an evaluation longer than --eval_every steps: raise --eval_share)"):
+                self.job.store.wait(keys, timedelta(seconds=self.job.timeout))
             parts = [json.loads(self.job.store.get(key)) for key in keys]
-            versions = min(p["versions"][0] for p in parts), max(p["versions"][1] for p in parts)
+            spans = [p["versions"] for p in parts if p["versions"]] or [(v, v)]
+            versions = min(x[0] for x in spans), max(x[1] for x in spans)
             out.append((self.asked.pop(v), [r for p in parts for r in p["results"]], versions))
             for key in keys + [f"eval/{v}"]:
                 self.job.store.delete_key(key)
@@ -348,9 +354,13 @@ class HeldOut:
         self.todo, self.running, self.done, self.asked = [], {}, {}, 0  # (v, template); group -> v; v -> groups
 
     def ask(self, v):
+        """Queue version v's held-out groups; [(v, [])] where this rank has none: complete at once."""
+        if not self.templates:
+            return [(v, [])]
         first = -1 - self.asked * len(self.templates)  # group ids of their own: evaluations may overlap
         self.todo += [(v, replace(t, group=first - i)) for i, t in enumerate(self.templates)]
         self.done[v], self.asked = [], self.asked + 1
+        return []
 
     def start(self, engine, everything=False):
         while self.todo and engine.room >= self.n and (everything or (len(self.running) + 1) * self.n <= self.cap):
@@ -370,9 +380,9 @@ class HeldOut:
     def score(self, groups):
         """Runs on the scoring thread: the evaluation's results (pipeline_rl.evaluate's) and its tokens' versions."""
         self.rollouts.score(groups)
-        versions = [x for g in groups for s in g for x in s.versions] or [0]
+        versions = [x for g in groups for s in g for x in s.versions]
         return dict(results=[(s.meta.task, s.reward > 0, len(s.tokens)) for g in groups for s in g],
-                    versions=(min(versions), max(versions)))
+                    versions=(min(versions), max(versions)) if versions else None)
 
 
 def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_path, save_every, bucket_bytes,
@@ -405,7 +415,7 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
                     receive_weights(job, engine, v, bucket_bytes, take=mode == "pipeline" or v % k == 0, bufs=bufs)
                 if held_out and v not in evaluated and job.store.check([f"eval/{v}"]):
                     evaluated.add(v)
-                    held_out.ask(v)
+                    scoring += [(scorer.submit(held_out.score, []), [], u) for u, _ in held_out.ask(v)]
             received = v
         if received != saved and received % save_every == 0:
             tmp = state_path + ".tmp"

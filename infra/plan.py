@@ -105,26 +105,28 @@ def sync_rows(cfg, shape, world):
     model = engine_rows(cfg, shape, 0)["engine weights"]
     if world == 1:
         return {"trainer 0": {"weight-sync buffers": model * (b < 4)}, "generator": {"weight-sync buffers": 0.0}}
-    bucket = min(cfg.sync_bucket_mb * 2 ** 20, model)
-    largest = max(shape[6] * shape[1], 3 * shape[1] * shape[2]) * b  # a gathered embedding, or a layer's MLP
-    return {"trainer 0": {"weight-sync buffers": 2 * bucket + largest},
+    # trainer rank 0 packs bucket i into reused buffer i % 2, each as large as the largest it held (an untied fp32
+    # head's, 2.49 GB at 8B), beside the largest tensor gathered in its dtype (that head, or an embedding or MLP)
+    runs = bucket_bytes(cfg, shape)
+    largest = max(shape[6] * shape[1] * (b if shape[7] else hb), 3 * shape[1] * shape[2] * b)
+    return {"trainer 0": {"weight-sync buffers": max(runs[::2]) + max(runs[1::2] or [0]) + largest},
             # a bucket holds whole units: the head (fp32 when untied, 2.49 GB at 8B) is one of its own; vLLM's
             # receive buffer is a row of vllm_offshare_rows
-            "generator": {"weight-sync buffers": max(bucket, shape[6] * shape[1] * (b if shape[7] else hb)) * (
-                cfg.engine == "torch" and cfg.off_policy == "ppo")}}
+            "generator": {"weight-sync buffers": max(runs) * (cfg.engine == "torch" and cfg.off_policy == "ppo")}}
 
 
 def vllm_offshare_rows(cfg, shape):
     """What a vLLM generator rank puts on its GPU beside vLLM's share (infra.vllm_engine.outside_share), for a model
     of `shape` built on the meta device in the dtypes the engine holds (infra.run.make_engine)."""
-    return dict(_offshare(cfg.model == "tiny", shape, cfg.dtype, cfg.fp32_head, cfg.sync_bucket_mb))
+    from infra.vllm_engine import outside_share
+    return outside_share(meta_model(cfg.model == "tiny", shape, cfg.dtype, cfg.fp32_head), cfg.sync_bucket_mb << 20)
 
 
-@functools.lru_cache(maxsize=16)
-def _offshare(tiny, shape, dtype, fp32_head, bucket_mb):
+@functools.lru_cache(maxsize=4)
+def meta_model(tiny, shape, dtype, fp32_head):
+    """A model of `shape` on the meta device, in the dtypes an engine holds it (an untied FP32 head in fp32)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
-    from infra.vllm_engine import outside_share
     L, H, I, nq, nkv, hd, V, tied = shape
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config((LlamaConfig if tiny else Qwen3Config)(
@@ -132,7 +134,14 @@ def _offshare(tiny, shape, dtype, fp32_head, bucket_mb):
             num_key_value_heads=nkv, head_dim=hd, tie_word_embeddings=tied), dtype=getattr(torch, dtype))
     if fp32_head and not tied:
         model.get_output_embeddings().float()
-    return tuple(outside_share(model, bucket_mb << 20).items())
+    return model
+
+
+def bucket_bytes(cfg, shape):
+    """The bytes of each weight bucket, in order (infra.dist.buckets over the parameters in the engine's dtypes)."""
+    model = meta_model(cfg.model == "tiny", shape, cfg.dtype, cfg.fp32_head)
+    return [sum(t.numel() * d.itemsize for _, t, d in run) for run in dist.buckets(
+        ((n, p, p.dtype) for n, p in model.named_parameters()), cfg.sync_bucket_mb << 20)]
 
 
 def vllm_share(cfg, shape):

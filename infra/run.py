@@ -263,12 +263,12 @@ class Evaluator:
             self.log.write(dict(step=step, **self.log.clock, **row, eval=True))
         return held_out_line(row, self.tasks)
 
-    def collect(self, until=0):
+    def collect(self, until=0, patient=False):
         """Under torchrun, trainer rank 0: the rows the generator ranks have sent, and those asked before policy
-        version `until` waited for."""
+        version `until` waited for (TrainerLink.evals)."""
         if self.job.rank != 0 or self.job.world == 1:
             return
-        for row, results, versions in self.source.evals(until):
+        for row, results, versions in self.source.evals(until, patient):
             pr = pipeline_rl.pass_rates(results, self.tasks)
             self.log.write(dict(row, **pr, eval_versions=versions, eval=True))
             print(f"step {row['step']:4d} | {held_out_line(pr, self.tasks)} (generator ranks)", flush=True)
@@ -299,15 +299,16 @@ def finish(cfg, job, step, bad_run, stop, saved, source, evaluate, policy, opt, 
     the policy exported, the summary, and the sigmoid fit of the run's own curve (Sec. 2.1), one per task (Sec. 7)."""
     if stop and not saved:
         rundir.save_checkpoint(cfg, step, log.clock, source, job, policy, opt)
+    # every trainer rank takes part in the gathers (rank 0 keeps the tensors), before rank 0 alone waits for the last
+    # evaluations: they take every generator slot now, as long as they need
+    final = {name: t.to(dtype).cpu() for name, t, dtype in policy.weights() if job.rank == 0} if not stop else None
     if job.world > 1 and job.rank == 0 and not stop:
-        dist.counter(job, "stop", 1)  # no more training groups: the last evaluations take every generator slot
-    evaluate.collect(until=step - cfg.eval_every + 1 if stop else math.inf)
+        dist.counter(job, "stop", 1)
+    evaluate.collect(until=step - cfg.eval_every + 1 if stop else math.inf, patient=not stop)
     source.close()
     # under torchrun: summed over the generator ranks
     log.took["generation"] = source.totals()["gen_s"]
     if not stop:
-        # every trainer rank takes part in the gathers; rank 0 keeps the tensors and writes
-        final = {name: t.to(dtype).cpu() for name, t, dtype in policy.weights() if job.rank == 0}
         if job.rank == 0:
             print(f"policy at step {step} written to {rundir.export_hf(cfg, model, tok, final)} (from_pretrained, "
                   "vLLM)")
