@@ -342,6 +342,11 @@ def plan(cfg):
         out.append(f"  the trainer ranks do not fit: --gen_ranks={g} gives {world - g} trainer ranks, which do" if g
                    else "  the trainer ranks do not fit with any split of this world: more GPUs, or a smaller "
                         "--micro_batch_tokens")
+    if cfg.engine == "vllm" and cfg.interrupt:  # vLLM cannot append to a running request (infra/vllm_engine.py)
+        n = cfg.max_prompt + cfg.think_max
+        out.append(f"  interruption: vLLM resubmits the request with the phrase; after a weight update its up to {n:,} "
+                   f"tokens are\n    prefilled again, about {2 * P * n / (BF16_FLOPS * MFU):.2f} s of a generator "
+                   "each (counted: the engine's reprefill_tokens)")
     t = timing(cfg, shape, world, T, G_, flight)
     out.append(f"  time (estimated: H100 peaks at {MFU:.0%} MFU, decoding at {BW_UTIL:.0%} of HBM bandwidth, mean "
                f"completion {MEAN_LEN:.0%} of the longest):\n    trainer step {t['step']:,.0f} s, of which the "

@@ -182,3 +182,11 @@ def test_the_gpu_bench_runs_on_cpu():
     assert min(out["engine"][k] for k in ("engine_tok_s_sdpa", "engine_tok_s_engine", "generate_tok_s")) > 0
     assert out["mismatch"]["tokens"] == 8 * 8 and out["mismatch"]["mean"] < 0.01
     assert out["sync"]["gb"] > 0
+
+
+def test_the_interruptions_prefill_is_planned():
+    """vLLM cannot append the interruption phrase to a running request: the resubmit prefills its prompt and thinking
+    again after a weight update, a cost the plan states (and the engine counts, tests/test_vllm.py)."""
+    assert "up to 14,336 tokens are\n    prefilled again" in plan("--config=8b")
+    assert "interruption: vLLM" not in plan("--config=8b", "--interrupt=false")
+    assert "interruption: vLLM" not in plan()  # the PyTorch engine writes the phrase into its KV cache
