@@ -241,8 +241,10 @@ class TrainerLink(BatchSource):
     def push_weights(self, policy, publish=True):
         """Trainer rank 0 broadcasts `policy.weights()`, gathered by every trainer rank; none once a stop is read."""
         self.version += 1
-        weights = policy.weights() if publish else ()
-        if self.job.rank != 0 or not publish:
+        if not publish:
+            return
+        weights = policy.weights()
+        if self.job.rank != 0:
             for _ in weights:
                 pass
             return

@@ -221,8 +221,8 @@ def timing(cfg, shape, world, T, G, flight):
     step = tokens * body / (BF16_FLOPS * MFU) + head
     # a generator's engine step reads its weights and the running sequences' KV cache: memory-bound decoding
     running = flight if world > 1 else min(cfg.slots, cfg.batch_prompts * cfg.group_size)
-    if world > 1 and cfg.engine == "vllm":
-        kv = columns(cfg, shape, world, T, seq_len(cfg))["generators"]["KV cache"]
+    if world > 1 and cfg.engine == "vllm":  # as many as vLLM's KV cache holds
+        kv = vllm_share(cfg, shape) - sizes(cfg, shape)[3] * P
         running = max(1.0, min(running, kv / (kv_token(cfg, shape) * seq)))
     weights = engine_rows(cfg, shape, 0)["engine weights"]
     tick = (weights + running * seq * kv_token(cfg, shape)) / (HBM_BYTES_S * BW_UTIL)

@@ -251,10 +251,10 @@ class Evaluator:
     def __call__(self, step, policy):
         if self.job.rank != 0:
             return ""
-        seed = self.seed + 7919 * step
         if self.job.world > 1:
             self.source.ask_eval(self.source.version, dict(step=step, **self.log.clock))
             return "held-out evaluation asked of the generator ranks"
+        seed = self.seed + 7919 * step
         with self.log.timer("evaluation"):
             self.engine.load_weights(policy.state(), self.source.version)
             results = pipeline_rl.evaluate(self.engine, self.source.rollouts, self.templates, self.cfg.eval_samples,
