@@ -107,6 +107,8 @@ def aggregate(per_token, mask, group, how="prompt"):
 DEFAULTS = {"cispo": dict(eps_max=4.0), "dapo": dict(eps_low=0.2, eps_high=0.28),
             "grpo": dict(eps_low=0.2, eps_high=0.2), "gspo": dict(eps_low=3e-3, eps_high=5e-3)}
 LOSSES = {"cispo": cispo, "dapo": ppo_clip, "grpo": ppo_clip, "gspo": gspo}  # (B, T) losses; gspo takes the mask too
+# policy_loss's token means, whatever the loss (docs/metrics.md)
+DIAGNOSTICS = ("clip_frac", "ratio_mean", "ratio_max", "mismatch_kl", "logratio_sq", "dapo_clip_low", "dapo_clip_high")
 
 
 def policy_loss(logp, gen_logp, adv, mask, weights, loss="cispo", **kw):
@@ -120,18 +122,23 @@ def policy_loss(logp, gen_logp, adv, mask, weights, loss="cispo", **kw):
     total = torch.where(m, per_token * weights, torch.zeros_like(per_token)).sum()
     n = int(m.sum())
     if n == 0:
-        return total, dict(clip_frac=0.0, ratio_mean=0.0, ratio_max=0.0, mismatch_kl=0.0, n_tokens=0)
+        return total, dict.fromkeys(DIAGNOSTICS, 0.0) | dict(n_tokens=0)
     with torch.no_grad():
-        rho = torch.exp(logp - gen_logp)  # (B, T) token ratios
+        rho, a = torch.exp(logp - gen_logp), _per_token(adv, logp).expand_as(logp)  # (B, T) token ratios, advantages
         if loss == "cispo":  # truncated: the weight was capped
             clipped = rho > opts["eps_max"]
         else:  # the clipped branch is the minimum: this token's gradient is zero
             r = rho if loss != "gspo" else torch.exp(_seq_log_ratio(logp, gen_logp, mask))[:, None].expand_as(rho)
-            a = _per_token(adv, logp)
             clipped = ((a > 0) & (r > 1 + opts["eps_high"])) | ((a < 0) & (r < 1 - opts["eps_low"]))
-        # mismatch_kl estimates KL(gen || train)
-        return total, dict(clip_frac=float(clipped[m].sum()) / n, ratio_mean=float(rho[m].mean()),
-                           ratio_max=float(rho[m].max()), mismatch_kl=float((gen_logp - logp)[m].mean()), n_tokens=n)
+        # whatever the loss: the tokens DAPO's rule would silence, by side (Sec. 3.2), and the ratio's spread
+        rho, a, lr = rho[m], a[m], (logp - gen_logp)[m]
+        dapo = DEFAULTS["dapo"]
+        low, high = (a < 0) & (rho < 1 - dapo["eps_low"]), (a > 0) & (rho > 1 + dapo["eps_high"])
+        # mismatch_kl estimates KL(gen || train); logratio_sq is the mean square of log(pi_train / pi_gen)
+        return total, dict(clip_frac=float(clipped[m].sum()) / n, ratio_mean=float(rho.mean()),
+                           ratio_max=float(rho.max()), mismatch_kl=-float(lr.mean()),
+                           logratio_sq=float(lr.square().mean()), dapo_clip_low=float(low.sum()) / n,
+                           dapo_clip_high=float(high.sum()) / n, n_tokens=n)
 
 
 # ----------------------------------------------------------------------------- FP32-head logprobs (Sec. 3.2, Fig. 5b)

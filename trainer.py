@@ -96,9 +96,10 @@ def micro_batches(order, lengths, budget):
     return out
 
 
-def policy_gradient(policy, samples, adv, cfg, rank=0, world=1):
+def policy_gradient(policy, samples, adv, cfg, rank=0, world=1, version=-1):
     """Backward of the RL loss (Sec. 3.2) into .grad over token-budget micro-batches of every world-th completion by
-    length (whole-batch weights: the ranks' gradients add up). Returns loss, token-weighted sums, max ratio."""
+    length (whole-batch weights: the ranks' gradients add up). Returns loss, token-weighted sums, max ratio; the sums
+    also hold |log(pi_train / pi_gen)| on the tokens that the weights being trained (`version`) sampled."""
     # the loss's options (eps_max; eps_low, eps_high) from cfg: a negative one keeps the loss's default
     opts = {k: getattr(cfg, k) for k in losses.DEFAULTS[cfg.loss] if getattr(cfg, k) >= 0}
     dev = next(policy.parameters()).device
@@ -107,8 +108,15 @@ def policy_gradient(policy, samples, adv, cfg, rank=0, world=1):
     lengths = att.sum(1).tolist()
     order = sorted(range(len(samples)), key=lengths.__getitem__)
     plans = [micro_batches(order[r::world], lengths, cfg.micro_batch_tokens) for r in range(world)]
+    # the loss tokens sampled by these very weights: their mismatch is the kernels', not the lag's
+    fresh = torch.zeros_like(tmask)
+    for i, s in enumerate(samples):
+        fresh[i, len(s.prompt_tokens) - 1:][:len(s.tokens)] = torch.tensor(s.versions) == version
+    fresh *= tmask
     policy.train()
-    total, sums, ratio_max = 0.0, dict(clip_frac=0.0, ratio_mean=0.0, mismatch_kl=0.0, n_tokens=0), 0.0
+    total, ratio_max = 0.0, 0.0
+    means = [k for k in losses.DIAGNOSTICS if k != "ratio_max"]
+    sums = dict.fromkeys(("n_tokens", "fresh_tokens", "fresh_gap", *means), 0.0)
     for i in range(max(map(len, plans))):
         # FSDP2 ranks run the same number of passes: one with fewer adds a zero gradient
         if i >= len(plans[rank]):
@@ -116,14 +124,22 @@ def policy_gradient(policy, samples, adv, cfg, rank=0, world=1):
             continue
         mb = plans[rank][i]
         L = lengths[mb[-1]]
-        loss, diag = losses.policy_loss(policy(ids[mb, :L], att[mb, :L]), gen_logp[mb, :L - 1], adv[mb],
-                                        tmask[mb, :L - 1], weights[mb, :L - 1], loss=cfg.loss, **opts)
+        logp, gen = policy(ids[mb, :L], att[mb, :L]), gen_logp[mb, :L - 1]
+        loss, diag = losses.policy_loss(logp, gen, adv[mb], tmask[mb, :L - 1], weights[mb, :L - 1], loss=cfg.loss,
+                                        **opts)
         loss.backward()
         total += loss.item()
+        f = fresh[mb, :L - 1].bool()
+        diag |= dict(fresh_tokens=int(f.sum()), fresh_gap=float(torch.where(f, (logp.detach() - gen).abs(), 0).sum()))
         for k in sums:
-            sums[k] += diag[k] if k == "n_tokens" else diag[k] * diag["n_tokens"]
+            sums[k] += diag[k] * diag["n_tokens"] if k in means else diag[k]
         ratio_max = max(ratio_max, diag["ratio_max"])
     return total, sums, ratio_max
+
+
+# train_step's metrics beside loss, n_tokens, finite and lr (docs/metrics.md)
+METRICS = ("clip_frac", "ratio_mean", "ratio_max", "mismatch_kl", "logratio_sd", "dapo_clip_low", "dapo_clip_high",
+           "fresh_mismatch", "grad_norm")
 
 
 def train_step(policy, opt, groups, cfg, step, comm=None):
@@ -137,11 +153,11 @@ def train_step(policy, opt, groups, cfg, step, comm=None):
                                   torch.tensor([s.group for s in samples], dtype=torch.long), norm=cfg.adv_norm)
     # every group zero-variance: no signal, no update (AdamW's weight decay alone would still move the weights)
     if not adv.any():
-        return dict(loss=0.0, clip_frac=0.0, ratio_mean=1.0, ratio_max=1.0, mismatch_kl=0.0, n_tokens=0, finite=True,
-                    lr=lr)
+        return dict(dict.fromkeys(METRICS, 0.0), ratio_mean=1.0, ratio_max=1.0, fresh_mismatch=None, n_tokens=0,
+                    finite=True, lr=lr)
     rank, world = (comm.rank, comm.size) if comm else (0, 1)
     with comm.guard("gradients") if comm else contextlib.nullcontext():
-        loss, sums, ratio_max = policy_gradient(policy, samples, adv, cfg, rank, world)
+        loss, sums, ratio_max = policy_gradient(policy, samples, adv, cfg, rank, world, version=step)
         gnorm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
         # under FSDP2 the norm is a DTensor
         gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
@@ -153,9 +169,14 @@ def train_step(policy, opt, groups, cfg, step, comm=None):
     if finite:
         opt.step()
     opt.zero_grad(set_to_none=True)
-    n = sums["n_tokens"] or 1
-    return dict(loss=sums["loss"], **{k: sums[k] / n for k in ("clip_frac", "ratio_mean", "mismatch_kl")},
-                ratio_max=maxes["ratio_max"], n_tokens=int(sums["n_tokens"]), finite=finite, lr=lr)
+    n, kl = sums["n_tokens"] or 1, sums["mismatch_kl"] / (sums["n_tokens"] or 1)
+    # the spread of log(pi_train / pi_gen): what the trust region (clip or cap) acts on; the norm before clipping
+    return dict(loss=sums["loss"], **{k: sums[k] / n for k in ("clip_frac", "ratio_mean", "dapo_clip_low",
+                                                               "dapo_clip_high")},
+                mismatch_kl=kl, logratio_sd=max(sums["logratio_sq"] / n - kl * kl, 0.0) ** 0.5,
+                fresh_mismatch=sums["fresh_gap"] / sums["fresh_tokens"] if sums["fresh_tokens"] else None,
+                grad_norm=float(gnorm), ratio_max=maxes["ratio_max"], n_tokens=int(sums["n_tokens"]), finite=finite,
+                lr=lr)
 
 
 def optimizer(cfg, policy):

@@ -398,7 +398,7 @@ class Log:
         # seconds spent generating during the step (all generator ranks)
         gen_s = gen["gen_s"] - self.gen0["gen_s"]
         row = dict(step=step, **self.clock, policy_version=source.version, reward=np.mean([s.reward for s in samples]),
-                   **{k: stats[k] for k in ("loss", "clip_frac", "ratio_mean", "ratio_max", "mismatch_kl")},
+                   **{k: v for k, v in stats.items() if k not in ("n_tokens", "finite", "lr")},
                    lag_mean=batch.lag_mean, lag_max=batch.lag_max, dropped_stale=source.dropped_stale,
                    mixed_version_frac=np.mean([len(set(s.versions)) > 1 for s in samples]),
                    trunc_rate=np.mean([s.interrupted or s.truncated for s in samples]),

@@ -78,7 +78,7 @@ def parity_step(policy, cfg, groups, rank=0, world=1):
     samples = [s for g in groups for s in g]
     adv = losses.group_advantages(torch.tensor([s.reward for s in samples]), torch.tensor([s.group for s in samples]),
                                   norm=cfg.adv_norm)
-    loss, sums, rmax = trainer.policy_gradient(policy, samples, adv, cfg, rank, world)
+    loss, sums, rmax = trainer.policy_gradient(policy, samples, adv, cfg, rank, world, version=0)
     grads = {n: p.grad.clone() for n, p in policy.named_parameters()}
     gnorm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
@@ -123,7 +123,8 @@ def test_fsdp2_two_trainer_ranks_match_one_process(tmp_path):
     one = parity_step(trainer.Policy(model, 1.0, torch.float32), cfg, groups)
     assert two["sums"]["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
     assert two["sums"]["n_tokens"] == one["sums"]["n_tokens"] > 0
-    for k in ("clip_frac", "ratio_mean", "mismatch_kl"):
+    assert two["sums"]["fresh_tokens"] == one["sums"]["fresh_tokens"] > 0
+    for k in ("clip_frac", "ratio_mean", "mismatch_kl", "logratio_sq", "dapo_clip_low", "dapo_clip_high", "fresh_gap"):
         assert two["sums"][k] == pytest.approx(one["sums"][k], rel=1e-5, abs=1e-6)
     assert two["maxes"]["ratio_max"] == pytest.approx(one["ratio_max"], rel=1e-6)
     assert set(two["grads"]) == set(one["grads"])
@@ -150,6 +151,37 @@ def test_a_batch_without_signal_makes_no_update():
     stats = trainer.train_step(policy, opt, groups, scalerl.Config(zero_var_filter=False, warmup_steps=0), 5)
     assert stats["n_tokens"] == 0 and not opt.state
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+def test_a_step_logs_the_mechanism_its_trust_region_acts_on():
+    """train_step's diagnostics, recomputed from one forward of the same weights: the spread of log(pi_train / pi_gen)
+    on loss tokens, the mismatch on the tokens these very weights sampled (version == step: the others, sampled a
+    version behind, do not count), DAPO's clip shares by side, and the gradient norm before clipping."""
+    cfg, groups = parity_setup()
+    for g in groups[:2]:
+        for s in g:
+            s.versions = [4] * len(s.tokens)
+    samples = [s for g in groups for s in g]
+    policy = trainer.Policy(trainer.tiny_model(cfg, VOCAB), 1.0, torch.float32)
+    ids, att, tmask, gen = trainer.rollout_tensors(samples, 0)
+    with torch.no_grad():
+        gap = policy(ids, att) - gen
+    m, fresh = tmask.bool(), tmask.bool() & (torch.arange(len(samples)) < 6)[:, None]
+    adv = losses.group_advantages(torch.tensor([s.reward for s in samples]), torch.tensor([s.group for s in samples]))
+    a, rho = adv[:, None].expand_as(gap)[m], gap[m].exp()
+    stats = trainer.train_step(policy, torch.optim.AdamW(policy.parameters(), lr=0.0), groups, cfg, 4)
+    assert stats["logratio_sd"] == pytest.approx(gap[m].std(correction=0).item(), rel=1e-4)
+    assert stats["mismatch_kl"] == pytest.approx(-gap[m].mean().item(), rel=1e-4)
+    assert stats["fresh_mismatch"] == pytest.approx(gap[fresh].abs().mean().item(), rel=1e-4)
+    assert 0 < fresh.sum() < m.sum()
+    assert stats["dapo_clip_low"] == pytest.approx(((a < 0) & (rho < 0.8)).float().mean().item())
+    assert stats["dapo_clip_high"] == pytest.approx(((a > 0) & (rho > 1.28)).float().mean().item())
+    assert stats["dapo_clip_low"] + stats["dapo_clip_high"] > 0
+    # the norm before clipping, as the same batch on the same initial weights gives it
+    one = parity_step(trainer.Policy(trainer.tiny_model(cfg, VOCAB), 1.0, torch.float32), cfg, groups)
+    assert stats["grad_norm"] == pytest.approx(float(one["gnorm"]), rel=1e-5) and stats["grad_norm"] > cfg.grad_clip
+    # nothing sampled by the weights being trained: no figure, rather than a zero
+    assert trainer.train_step(policy, torch.optim.AdamW(policy.parameters(), lr=0.0), groups, cfg, 9)[
+        "fresh_mismatch"] is None
 
 # ---------------------------------------------------------------------------------------------------------------------
 # 3. One generator rank, one trainer rank

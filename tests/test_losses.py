@@ -351,16 +351,20 @@ def test_diagnostics_hand_computed():
     assert d["ratio_max"] == pytest.approx(5.0)
     assert d["mismatch_kl"] == pytest.approx(-sum(math.log(x) for x in (0.5, 1, 5, 1.5, 0.7, 1)) / 6)
     assert d["n_tokens"] == 6
+    assert d["logratio_sq"] == pytest.approx(sum(math.log(x) ** 2 for x in (0.5, 1, 5, 1.5, 0.7, 1)) / 6)
+    # what DAPO's rule would clip, whatever the loss: 5.0 above 1.28 with A>0, 0.7 below 0.8 with A<0
+    assert d["dapo_clip_high"] == pytest.approx(1 / 6) and d["dapo_clip_low"] == pytest.approx(1 / 6)
     # DAPO: A>0 clips 5.0 (not 0.5); A<0 clips 0.7 (not 1.5): 2 of 6
     _, d = policy_loss(logp, gen_logp, adv, mask, w, loss="dapo")
     assert d["clip_frac"] == pytest.approx(2 / 6)
     _, d = policy_loss(logp, gen_logp, adv, mask, w, loss="dapo", eps_high=5.0)
-    assert d["clip_frac"] == pytest.approx(1 / 6)
+    assert d["clip_frac"] == pytest.approx(1 / 6) and d["dapo_clip_high"] == pytest.approx(1 / 6)
     # GSPO: s_0 = (0.5*1*5)^(1/3) = 1.357 > 1.005 with A>0: clipped ; s_1 = (1.05)^(1/3) > 1 with A<0: kept
     _, d = policy_loss(logp, gen_logp, adv, mask, w, loss="gspo")
-    assert d["clip_frac"] == pytest.approx(3 / 6)
+    assert d["clip_frac"] == pytest.approx(3 / 6) and d["dapo_clip_low"] == pytest.approx(1 / 6)
     _, d = policy_loss(logp, gen_logp, adv, mask & False, w, loss="gspo")
-    assert d == {"clip_frac": 0.0, "ratio_mean": 0.0, "ratio_max": 0.0, "mismatch_kl": 0.0, "n_tokens": 0}
+    assert d == {"clip_frac": 0.0, "ratio_mean": 0.0, "ratio_max": 0.0, "mismatch_kl": 0.0, "logratio_sq": 0.0,
+                 "dapo_clip_low": 0.0, "dapo_clip_high": 0.0, "n_tokens": 0}
 
 
 # ----------------------------------------------------------------------------- token_logprobs
