@@ -46,6 +46,15 @@ VARIANTS = {  # name -> flags on top of the preset (the paper's section in the c
     "no_npr": ["--npr=false"],
     "pipeline_2proc": [],                                           # 2 ranks under torchrun (TORCHRUN)
     "ppo_2proc": ["--off_policy=ppo"],
+    # lag 8: the trust region against stale samples decides; each loss at the lr where they separate and at a lower one
+    **{f"stale_{name}{lr}": ["--config=miniature_stale", *flags, *([f"--lr={lr[3:]}"] if lr else [])]
+       for lr in ("", "_lr5e-5") for name, flags in (
+           ("cispo", []), ("dapo", ["--loss=dapo"]), ("gspo", ["--loss=gspo"]),
+           ("dapo_no_low_clip", ["--loss=dapo", "--eps_low=1"]),
+           ("dapo_no_high_clip", ["--loss=dapo", "--eps_high=100"]))},
+    # a 64-72 token budget that every level fits: a ceiling set by learning
+    **{f"long_{name}": ["--config=miniature_long", *flags] for name, flags in (
+        ("scalerl", []), ("dapo", ["--loss=dapo"]), ("gspo", ["--loss=gspo"]), ("batch_32", ["--batch_prompts=32"]))},
 }
 TORCHRUN = {"pipeline_2proc", "ppo_2proc"}
 # (claim, paper section and number, kind, variants): "ceiling": the first variant's A above the second's;
@@ -77,6 +86,11 @@ NOISE = sigmoid_fit.NOISE_MARGIN  # the paper's margin on A (0.02)
 def compute_key(variant):
     """The compute axis a run is fitted against: CPU time in one process; wall time x ranks under torchrun."""
     return "device_hours" if variant in TORCHRUN else "cpu_hours"
+
+
+def preset(variant):
+    """The miniature preset, unless the variant names its own."""
+    return [] if any(f.startswith("--config=") for f in VARIANTS[variant]) else PRESET
 
 
 def run_name(variant, seed):
@@ -124,7 +138,7 @@ def launch(variant, seed, out, extra):
     os.makedirs(run_dir, exist_ok=True)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     cmd = [*(torchrun if variant in TORCHRUN else [sys.executable]), os.path.join(ROOT, "scalerl.py"),
-           f"--out_dir={run_dir}", "--threads=1", *PRESET, f"--rl_seed={seed}", *VARIANTS[variant], *extra,
+           f"--out_dir={run_dir}", "--threads=1", *preset(variant), f"--rl_seed={seed}", *VARIANTS[variant], *extra,
            *resume]  # one thread per run or rank
     print(f"{name}: {' '.join(cmd[1:])}", flush=True)
     t0 = time.time()
