@@ -28,7 +28,10 @@ from scipy.stats import t as stats_t
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import data  # noqa: E402
+import scalerl  # noqa: E402
 import sigmoid_fit  # noqa: E402
+from infra import sources  # noqa: E402
 
 PRESET = ["--config=miniature"]
 SEEDS = (0, 1, 2)
@@ -75,12 +78,34 @@ CLAIMS = [
     ("No-Positive-Resampling moves efficiency only", "Sec. 4, Fig. 8", "efficiency", ["scalerl", "no_npr"]),
     ("PipelineRL-k: higher B than PPO-off-policy-k", "Sec. 3.1, Fig. 4a: same or higher A, much higher B", "B",
      ["pipeline_2proc", "ppo_2proc"]),
+    # at the paper's own lag (PipelineRL-8), where the trust region against stale samples decides
+    ("CISPO above DAPO, lag 8", "Sec. 3.2, Fig. 5a (PipelineRL-8)", "ceiling", ["stale_cispo", "stale_dapo"]),
+    ("GSPO above DAPO, lag 8", "Sec. 3.2, Fig. 5a (PipelineRL-8)", "ceiling", ["stale_gspo", "stale_dapo"]),
+    ("CISPO above DAPO, lag 8, lr 5e-5", "Sec. 3.2, Fig. 5a (PipelineRL-8)", "ceiling",
+     ["stale_cispo_lr5e-5", "stale_dapo_lr5e-5"]),
+    ("GSPO above DAPO, lag 8, lr 5e-5", "Sec. 3.2, Fig. 5a (PipelineRL-8)", "ceiling",
+     ["stale_gspo_lr5e-5", "stale_dapo_lr5e-5"]),
+    ("no upper clip above DAPO (rare tokens keep their gradient), lag 8", "Sec. 3.2: CISPO's reason, eps_high 0.28",
+     "ceiling", ["stale_dapo_no_high_clip", "stale_dapo"]),
+    ("DAPO's lower clip: a mechanism here, no claim of the paper's", "DAPO keeps eps_low 0.2 (Sec. 3.2)", "ceiling",
+     ["stale_dapo", "stale_dapo_no_low_clip"]),
+    # a 64-72 token budget that every level fits: the ceiling is set by learning, not by the task
+    ("CISPO above DAPO, budget-free", "Sec. 3.2, Fig. 5a", "ceiling", ["long_scalerl", "long_dapo"]),
+    ("GSPO above DAPO, budget-free", "Sec. 3.2, Fig. 5a", "ceiling", ["long_gspo", "long_dapo"]),
+    ("a larger batch raises A, budget-free", "Sec. 5, Table 1: 512 -> 2048 prompts, A 0.605 -> 0.645", "ceiling",
+     ["long_batch_32", "long_scalerl"]),
 ]
 FIGURES = {"precision": ["bf16_fp32_head", "bf16_bf16_head"], "loss": ["scalerl", "gspo", "dapo"],
            "batch": ["scalerl", "batch_32"], "length": ["scalerl", "think_64"],
            "leave_one_out": ["scalerl", "sample_agg", "prompt_adv_norm", "no_zero_var_filter", "no_npr"],
-           "off_policy_2proc": ["pipeline_2proc", "ppo_2proc"], "noise": ["scalerl"]}
+           "off_policy_2proc": ["pipeline_2proc", "ppo_2proc"], "noise": ["scalerl"],
+           "stale_loss": ["stale_cispo", "stale_dapo", "stale_gspo"],
+           "stale_clips": ["stale_dapo", "stale_dapo_no_low_clip", "stale_dapo_no_high_clip"],
+           "stale_loss_lr5e-5": ["stale_cispo_lr5e-5", "stale_dapo_lr5e-5", "stale_gspo_lr5e-5"],
+           "long_loss": ["long_scalerl", "long_dapo", "long_gspo"], "long_batch": ["long_scalerl", "long_batch_32"]}
 NOISE = sigmoid_fit.NOISE_MARGIN  # the paper's margin on A (0.02)
+# step metrics averaged over the second half of a run (docs/metrics.md): the trust region's mechanism at work
+MECHANISM = ("logratio_sd", "dapo_clip_low", "dapo_clip_high", "fresh_mismatch", "grad_norm", "lag_mean", "clip_frac")
 
 
 def compute_key(variant):
@@ -157,10 +182,29 @@ def curve(out, variant, seed):
     if r0 is None:
         raise ValueError(f"{run_dir}: no evaluation before RL (R0)")
     steps = [r for r in rows(run_dir) if not r.get("eval")]
-    mean = lambda k: float(np.mean([r[k] for r in steps])) if steps else None  # noqa: E731
+    late = [r for r in steps if 2 * r["step"] > len(steps)]  # the second half of training: the mechanism at work
+
+    def mean(k, of=steps):  # over the rows that have it (older runs lack the mechanism's metrics)
+        xs = [r[k] for r in of if r.get(k) is not None]
+        return float(np.mean(xs)) if xs else None
     return dict(variant=variant, seed=seed, compute=compute_key(variant), C=[float(c) for c in C],
                 R=[float(r) for r in R], R0=r0, steps=len(steps), mismatch_kl=mean("mismatch_kl"),
-                trunc_rate=mean("trunc_rate"), zero_var_frac=mean("zero_var_frac"))
+                trunc_rate=mean("trunc_rate"), zero_var_frac=mean("zero_var_frac"),
+                bound=bound(json.load(open(os.path.join(run_dir, "config.json")))["config"]),
+                **{k: mean(k, late) for k in MECHANISM})
+
+
+def plateau(R):
+    """The mean of the later half of a run's evaluations (after R0; evenly spaced): where it settled."""
+    return float(np.mean(R[len(R) // 2:]))
+
+
+def bound(config):
+    """The pass rate a never-slipping policy reaches when its thinking must fit the budget, on a run's own held-out
+    set (data.feasible_share), from its resolved options: the ceiling the task sets, beside the fitted A."""
+    cfg = scalerl.Config(**{k: v for k, v in config.items() if k in scalerl.Config.__dataclass_fields__})
+    _, val, _ = sources.load_data(cfg)
+    return data.feasible_share(val, (cfg.think_min, cfg.think_max))
 
 
 def fit_run(c):
@@ -194,29 +238,35 @@ def summarize(curves):
                                   for r in runs], dtype=float)
         sd = lambda x: float(x.std(ddof=1)) if len(x) > 1 else float("nan")  # noqa: E731
         mean = lambda x: float(np.nanmean(x)) if len(x) and not np.isnan(x).all() else float("nan")  # noqa: E731
+        # the plateau and the mechanism over every finished run, fitted or not
+        every = [c for c in curves if c["variant"] == v]
+        settled = np.array([plateau(c["R"]) for c in every], dtype=float)
         stats[v] = dict(runs=runs, n=len(runs), unfitted=unfitted.get(v, []), A_sd=sd(get("A")), B_sd=sd(get("B")),
                         C_mid_mean=float(np.exp(np.log(get("C_mid")).mean())) if runs else float("nan"),
                         **{f"{k}_mean": mean(get(k)) for k in ("A", "B", "band", "reach", "pred_final", "pred_last3")},
-                        final_mean=mean(np.array([r["R"][-1] for r in runs])),
-                        **{k: mean(np.array([r[k] for r in runs], dtype=float)) for k in ("mismatch_kl", "trunc_rate")})
+                        final_mean=mean(np.array([r["R"][-1] for r in runs])), plateau_n=len(every),
+                        plateau_mean=mean(settled), plateau_sd=sd(settled), bound=every[0].get("bound", np.nan),
+                        **{k: mean(np.array([c.get(k) for c in every], dtype=float))
+                           for k in ("mismatch_kl", "trunc_rate", *MECHANISM)})
     return stats
 
 
-def verdict(kind, a, b):
+def verdict(kind, a, b, key=None):
     """One claim judged against the seed spread: the difference of the means against the larger of the paper's
-    margin (0.02, for A) and the 95% half-width of a Welch t-interval over seeds (with 3 seeds a side, about 2.8-4.3
-    standard errors). Fewer than 2 fitted seeds on either side: no spread to judge against."""
-    key = "B" if kind == "B" else "A"
-    d = a[f"{key}_mean"] - b[f"{key}_mean"]
+    margin (0.02, for A and the plateau) and the 95% half-width of a Welch t-interval over seeds (with 3 seeds a
+    side, about 2.8-4.3 standard errors). Fewer than 2 seeds on either side: no spread to judge against."""
+    key = key or ("B" if kind == "B" else "A")
+    d, n = a[f"{key}_mean"] - b[f"{key}_mean"], "plateau_n" if key == "plateau" else "n"
+    a, b = dict(a, n=a[n]), dict(b, n=b[n])
     if min(a["n"], b["n"]) < 2:
         return d, float("nan"), "fewer than 2 fitted seeds: no spread to judge against"
     va, vb = a[f"{key}_sd"] ** 2 / a["n"], b[f"{key}_sd"] ** 2 / b["n"]
     se = np.sqrt(va + vb)
     df = (va + vb) ** 2 / (va ** 2 / (a["n"] - 1) + vb ** 2 / (b["n"] - 1)) if se > 0 else 1.0
-    margin = max(NOISE if key == "A" else 0.0, float(stats_t.ppf(0.975, df)) * se)
+    margin = max(NOISE if key != "B" else 0.0, float(stats_t.ppf(0.975, df)) * se)
     if kind == "efficiency":
-        word = ("A moved beyond the noise" if abs(d) > margin else "A within the noise, as in the paper"
-                if margin <= NOISE else f"A within the noise, which is wider than the paper's {NOISE}")
+        word = (f"{key} moved beyond the noise" if abs(d) > margin else f"{key} within the noise, as in the paper"
+                if margin <= NOISE else f"{key} within the noise, which is wider than the paper's {NOISE}")
     else:
         word = ("seen, the paper's direction" if d > margin else "opposite to the paper" if d < -margin
                 else "not separated (within the noise)")
@@ -228,16 +278,21 @@ def claims(stats):
     B claim compares each variant's own fits (B trades off against A and C_mid; the A column says how far apart the
     ceilings are)."""
     fmt = lambda v: f"{v} {stats[v]['A_mean']:.3f} ± {stats[v]['A_sd']:.3f} ({stats[v]['n']})"  # noqa: E731
-    lines = ["| claim | paper | ours: A, mean ± std over (n) fitted seeds | B | difference (noise) | verdict |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| claim | paper | ours: A, mean ± std over (n) fitted seeds | B | difference (noise) | verdict | "
+             "plateau (later half of the evaluations) | plateau difference (noise) | verdict on the plateau |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for claim, paper, kind, (x, y) in CLAIMS:
         if not (stats.get(x, {}).get("n") and stats.get(y, {}).get("n")):
             lines.append(f"| {claim} | {paper} | no fitted run yet of {x if not stats.get(x, {}).get('n') else y} "
-                         "| | | |")
+                         "| | | | | | |")
             continue
         d, margin, word = verdict(kind, stats[x], stats[y])
+        p = " vs ".join(f"{stats[v]['plateau_mean']:.3f} ± {stats[v]['plateau_sd']:.3f}" for v in (x, y))
+        pd, pmargin, pword = verdict(kind, stats[x], stats[y], "plateau")
+        settled = f"{p} | {pd:+.3f} ({pmargin:.3f}) | {pword}" if kind != "B" else f"{p} | |"
         lines.append(f"| {claim} | {paper} | {fmt(x)}; {fmt(y)} | {stats[x]['B_mean']:.2f} vs "
-                     f"{stats[y]['B_mean']:.2f} | {'B' if kind == 'B' else 'A'} {d:+.3f} ({margin:.3f}) | {word} |")
+                     f"{stats[y]['B_mean']:.2f} | {'B' if kind == 'B' else 'A'} {d:+.3f} ({margin:.3f}) | {word} | "
+                     f"{settled} |")
     return lines
 
 
@@ -266,13 +321,22 @@ def checks(stats):
 
 
 def variants_table(stats):
-    lines = ["| variant | flags | seeds | final | A (mean ± std) | 90% band | window / C_mid | B | C_mid (geo. mean) | "
-             "first half predicts final / last 3 | mismatch_kl | trunc |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | flags | seeds | final | plateau | A (mean ± std) | the budget's bound | 90% band | "
+             "window / C_mid | B | C_mid (geo. mean) | first half predicts final / last 3 | mismatch_kl | trunc |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for v, s in stats.items():
         lines.append(f"| {v} | {' '.join(VARIANTS[v]) or '(preset)'} | {s['n']} | {s['final_mean']:.3f} | "
-                     f"{s['A_mean']:.3f} ± {s['A_sd']:.3f} | {s['band_mean']:.3f} | {s['reach_mean']:.1f} | "
+                     f"{s['plateau_mean']:.3f} ± {s['plateau_sd']:.3f} | {s['A_mean']:.3f} ± {s['A_sd']:.3f} | "
+                     f"{s['bound']:.3f} | {s['band_mean']:.3f} | {s['reach_mean']:.1f} | "
                      f"{s['B_mean']:.2f} | {s['C_mid_mean']:.3g} | {s['pred_final_mean']:+.3f} / "
                      f"{s['pred_last3_mean']:+.3f} | {s['mismatch_kl']:+.1e} | {s['trunc_rate']:.3f} |")
+    mech = [v for v, s in stats.items() if not np.isnan(s["logratio_sd"])]
+    lines += ["", "The mechanism, over the second half of each run's steps (means over seeds; docs/metrics.md):", "",
+              "| variant | lag | sd log(pi_train / pi_gen) | DAPO's rule would clip: below / above | the loss clips | "
+              "mismatch on fresh tokens | gradient norm |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {v} | {stats[v]['lag_mean']:.1f} | {stats[v]['logratio_sd']:.3f} | {stats[v]['dapo_clip_low']:.4f} / "
+              f"{stats[v]['dapo_clip_high']:.4f} | {stats[v]['clip_frac']:.4f} | {stats[v]['fresh_mismatch']:.1e} | "
+              f"{stats[v]['grad_norm']:.3f} |" for v in mech]
     return lines + [f"Not fitted: {run}: {why}." for s in stats.values() for run, why in s["unfitted"]]
 
 
@@ -280,7 +344,12 @@ def figure(stats, names, path):
     runs = [dict(label=run_name(r["variant"], r["seed"]), C=r["C"], R=r["R"], R0=r["R0"], fit=r["fit"])
             for v in names if v in stats for r in stats[v]["runs"]]
     if runs:
-        sigmoid_fit.plot_runs(runs, path, xlabel=f"compute ({compute_key(names[0])})")
+        fig = sigmoid_fit.plot_runs(runs, path, xlabel=f"compute ({compute_key(names[0])})")
+        # the task's ceiling beside A: what a never-slipping policy passes within the thinking budget
+        for b in sorted({stats[v]["bound"] for v in names if v in stats and np.isfinite(stats[v]["bound"])}):
+            fig.axes[0].axhline(b, color="k", ls=":", lw=1, label=f"the budget's bound {b:.3f}")
+        fig.axes[0].legend(fontsize=7)
+        fig.savefig(path, dpi=120)
 
 
 def load_curves(out):
@@ -297,8 +366,19 @@ def load_curves(out):
     return curves
 
 
-def report(out, seeds=SEEDS):
+def kept_curves(path, have):
+    """The runs of an earlier curves.json (e.g. the committed assets/ablations/curves.json) that `have` lacks; what
+    it did not record is filled in: the bound; the mechanism's metrics stay unknown."""
+    done = {(c["variant"], c["seed"]) for c in have}
+    old = [c for c in json.load(open(path)) if (c["variant"], c["seed"]) not in done and c["variant"] in VARIANTS]
+    for c in old:
+        c.setdefault("bound", bound(vars(scalerl.parse_args([*preset(c["variant"]), *VARIANTS[c["variant"]]]))))
+    return old
+
+
+def report(out, seeds=SEEDS, keep=None):
     curves = load_curves(out)
+    curves += kept_curves(keep, curves) if keep else []
     json.dump(curves, open(os.path.join(out, "curves.json"), "w"), indent=0)
     stats = summarize(curves)
     lengths = sorted({c["max_steps"] for c in curves})
@@ -328,6 +408,7 @@ def main():
     ap.add_argument("--only", help="comma-separated variants (default: all): " + ", ".join(VARIANTS))
     ap.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="comma-separated RL seeds (default: 0,1,2)")
     ap.add_argument("--report", action="store_true", help="only fit and plot the finished runs")
+    ap.add_argument("--keep", help="an earlier curves.json: its runs that --out lacks join the report")
     args, extra = ap.parse_known_args()  # anything else goes to every scalerl.py run, e.g. --max_steps=100
     names = list(dict.fromkeys(args.only.split(","))) if args.only else list(VARIANTS)
     unknown = [n for n in names if n not in VARIANTS]
@@ -348,7 +429,7 @@ def main():
         with ThreadPoolExecutor(args.jobs) as pool:  # the 2-process runs after, alone: each takes both cores
             codes = list(pool.map(lambda vs: launch(*vs, args.out, extra), [x for x in order if x[0] not in TORCHRUN]))
         codes += [launch(v, s, args.out, extra) for v, s in order if v in TORCHRUN]
-    report(args.out, seeds)
+    report(args.out, seeds, args.keep)
     if any(codes):
         sys.exit(f"{sum(c != 0 for c in codes)} run(s) failed; see their stdout.log")
 
