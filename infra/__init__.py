@@ -3,8 +3,6 @@ import it; scalerl.py calls it. What ends a run early says why in one line on st
 import os
 import sys
 
-__all__ = ["die", "fail", "first_line", "print0"]
-
 
 def first_line(e):
     """An exception's first line, at most 300 characters: what a one-line error quotes of it."""

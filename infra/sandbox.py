@@ -49,11 +49,9 @@ for _slot in range(64):
 def check_program(program, tests, time_limit=CODE_TIME_LIMIT):
     """True iff `program` (Python source) prints the expected stdout for every (stdin, stdout) test; never raises."""
     try:
-        mode = sandbox_mode()
-        if mode is None or not isinstance(program, str) or not program.strip() or not tests:
-            return False
-        tests = [(str(i), str(o)) for i, o in tests]  # 16 tests per interpreter: two open files each
-        return all(_run_tests(program, tests[k:k + 16], float(time_limit), mode) for k in range(0, len(tests), 16))
+        mode = sandbox_mode()  # no program or no tests: no pass; 16 tests per interpreter, two open files each
+        return bool(mode and tests and program.strip()) and all(
+            _run_tests(program, tests[k:k + 16], float(time_limit), mode) for k in range(0, len(tests), 16))
     except Exception:  # noqa: BLE001 -- a verifier never takes down the run
         return False
 
@@ -242,19 +240,12 @@ for ring in (keyctl(0, -4, 0), keyctl(0, -5, 0), keyctl(22, -1, -2)):
 def _clear_keys(uid):
     """A root run's check has no user namespace, so kernel keys its program added to its uid's keyrings would outlive
     it (`add_key`, `keyctl`): where /proc/key-users lists the uid, a process of that uid removes them."""
-    users = (line.partition(":")[0].strip() for line in _read("/proc/key-users").splitlines())
-    if uid >= 0 and _KEYCTL and str(uid) in users:
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        with open("/proc/key-users") as f:
+            users = [line.partition(":")[0].strip() for line in f]
+        if uid >= 0 and _KEYCTL and str(uid) in users:
             subprocess.run([sys.executable, "-I", "-S", "-c", _CLEAR_KEYS, str(uid), str(_KEYCTL)], env={}, timeout=30,
                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def _read(path):
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return ""
 
 
 def _stripped_lines(text):  # outputs compare line by line, trailing whitespace ignored

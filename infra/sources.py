@@ -77,15 +77,14 @@ class _MathWorker:
         self.proc = None
 
     def check(self, problem, text, timeout):
-        def read(seconds):
-            return self.proc.stdout.readline().strip() if select.select([self.proc.stdout], [], [], seconds)[0] else None
+        def read(wait):
+            return self.proc.stdout.readline().strip() if select.select([self.proc.stdout], [], [], wait)[0] else None
         with self.lock:
             try:
                 if self.proc is None or self.proc.poll() is not None:
                     self.proc = subprocess.Popen([sys.executable, "-c", _MATH_WORKER_LOOP], stdin=subprocess.PIPE,
                                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, encoding="utf-8")
-                    if read(120.0) != "ready":
-                        raise OSError("the math-verify worker did not start; is math-verify installed?")
+                    read(120.0)  # "ready" once math-verify is imported; a worker that cannot start answers ""
                 # answers are short; the tail keeps a final \boxed{} of a long one
                 print(json.dumps([problem.answer, text[-2000:]]), file=self.proc.stdin, flush=True)
                 out = read(timeout)
@@ -151,23 +150,19 @@ def _read_file(path):
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
         return pq.read_table(path).to_pylist()
-    raw, jsonl, n = pathlib.Path(path).read_bytes(), path.endswith(".jsonl"), 0  # n: the line being read
+    raw, jsonl = pathlib.Path(path).read_bytes(), path.endswith(".jsonl")
     try:
         text = raw.decode("utf-8")
-        rows = [] if jsonl else json.loads(text)
-        for n, line in enumerate(text.split("\n") if jsonl else [], 1):
-            if line.strip():
-                rows.append(json.loads(line))
+        rows = [json.loads(line) for line in text.split("\n") if line.strip()] if jsonl else json.loads(text)
     except UnicodeDecodeError as e:
         n = raw[:e.start].count(b"\n") + 1
         raise ValueError(f"{path!r} line {n}: not UTF-8 text ({e.reason}); save the file as UTF-8") from None
-    except json.JSONDecodeError as e:
+    except json.JSONDecodeError as e:  # a .jsonl line is parsed alone: its number is that of the first with its text
+        n = text.split("\n").index(e.doc) + 1 if jsonl else e.lineno
         what = "one {column: value} object per line" if jsonl else "a list of {column: value} objects"
-        raise ValueError(f"{path!r} line {n or e.lineno}: not valid JSON ({e.msg}); expected {what}") from None
+        raise ValueError(f"{path!r} line {n}: not valid JSON ({e.msg}); expected {what}") from None
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise ValueError(f"{path!r}: expected a list of records, one {{column: value}} object per row")
-    if not rows:
-        raise ValueError(f"{path!r} is empty: no rows")
     return rows
 
 
@@ -192,26 +187,24 @@ def _dataset_problems(source, data_path=None, prompt_key=None, answer_key=None, 
             raise ValueError(f"cannot load dataset {source!r} (hub: {hub}): {first_line(e)}. Provide it locally: "
                              f"save it as .json/.jsonl/.parquet and pass --data_path=FILE (or the file as the "
                              f"source)") from None
-    code = parse is None or rows and "tests" in rows[0] and answer_key in (None, "tests")  # DeepCoder-style
+    if not rows:
+        raise ValueError(f"{data_path or source!r} is empty: no rows")
+    code = parse is None or "tests" in rows[0] and answer_key in (None, "tests")  # DeepCoder-style
     if not code and importlib.util.find_spec("math_verify") is None:  # else every math reward would quietly fail
         raise ValueError(f"source {source!r} is checked with math-verify: pip install math-verify")
     prompt_key, answer_key = prompt_key or prompt_col, answer_key or ("tests" if code else answer_col)
     for key in (prompt_key, answer_key):  # in any row: a row without it is skipped and counted below
-        if rows and not any(key in r for r in rows):
+        if not any(key in r for r in rows):
             raise ValueError(f"dataset {source!r} has no column {key!r}; columns: {sorted(rows[0])}; pass "
                              f"--prompt_key/--answer_key")
     task, instruction = ("code", data.CODE_INSTRUCTION) if code else ("math", data.MATH_INSTRUCTION)
     problems = []
     for i, row in enumerate(rows):
-        question, answer, trace = row.get(prompt_key), row.get(answer_key), ""
-        if code:
-            answer = _stdin_tests(answer)
-        elif answer is not None:
-            trace, answer = parse(str(answer))
-            trace = str(row.get(trace_key) or "") if trace_key else trace
-        if question is not None and str(question).strip() and (answer or "").strip():  # answer: a str or None
-            problems.append(data.Problem(i, str(question).strip() + instruction, answer.strip(), task,
-                                         trace=trace.strip()))
+        question, cell = str(row.get(prompt_key) or "").strip(), row.get(answer_key)
+        trace, answer = ("", _stdin_tests(cell)) if code else ("", None) if cell is None else parse(str(cell))
+        trace = str(row.get(trace_key) or "") if trace_key else trace
+        if question and (answer or "").strip():  # answer: a str or None
+            problems.append(data.Problem(i, question + instruction, answer.strip(), task, trace=trace.strip()))
     if not problems and code:
         raise ValueError(f"dataset {source!r}: no row has stdin/stdout tests in its {answer_key!r} column")
     if len(problems) < len(rows):

@@ -118,9 +118,8 @@ def fp32_head_in_worker(worker):
     """Runs in vLLM's worker: an untied LM head becomes float32, its weight and both operands of its product (Sec. 3.2).
     vLLM's `head_dtype` override makes only the product's output float32: the weight stays in the body dtype
     (`ParallelLMHead` takes no params_dtype) and the trainer's fp32 head would be rounded on every load. Loads copy
-    into it directly (`direct`, reload_in_worker), never through a rebuilt copy; the old weight is freed, the
-    allocator's cache emptied. False where the head is tied (the embedding: body dtype, fp32 accumulation, as the
-    trainer's) or the model class names no `lm_head` and `logits_processor`."""
+    into it directly (`direct`, reload_in_worker). False where the head is tied (the embedding: body dtype, fp32
+    accumulation, as the trainer's) or the model class names no `lm_head` and `logits_processor`."""
     model = worker.get_model()
     head, logits = getattr(model, "lm_head", None), getattr(model, "logits_processor", None)
     if head is None or logits is None or any(getattr(m, "weight", None) is head.weight for m in model.modules()
@@ -289,10 +288,8 @@ class VLLMEngine(Engine):
 
     def load_weights(self, source, version):
         """In-flight update from a module, {name: tensor} of some or all of its parameters (cast to vLLM's dtypes), or
-        an iterator of buckets that land in `landing` as it is read; one vLLM reload (reload_in_worker) for them all,
-        in place between engine steps. A child's core is paused first ("keep"; returns once idle) until the next
-        step(); on a GPU it reads each bucket from the buffer it shares with us, named by a message of a few hundred
-        bytes; on the CPU it gets each as one message of bytes (msgpack's limit: 4 GiB)."""
+        an iterator of buckets that land in `landing` as it is read: one vLLM reload (reload_in_worker) for them all,
+        in place between engine steps; a child's core is paused ("keep": returns once idle) until the next step()."""
         landed = not (hasattr(source, "named_parameters") or hasattr(source, "items"))
         if not landed:
             named = source.named_parameters() if hasattr(source, "named_parameters") else source.items()
