@@ -15,6 +15,7 @@ Run: `python bench/mismatch.py [--run out/ablations/scalerl-s0]` (seconds once t
 """
 import argparse
 import copy
+import json
 import os
 import sys
 
@@ -69,12 +70,17 @@ def main():
     ap.add_argument("--prompts", type=int, default=64, help="held-out prompts (default 64)")
     ap.add_argument("--samples", type=int, default=8, help="completions per prompt (default 8)")
     ap.add_argument("--run", help="a finished miniature run's directory: also measure its final weights (DIR/hf)")
+    ap.add_argument("--json", help="also write the table here (notebooks/ablations.ipynb reads it)")
     args = ap.parse_args()
     torch.set_num_threads(2)
+    out = table(args)
     print(f"{'weights':<15} {'setting':<16} | {'mean |dlogp|':>12} {'max |dlogp|':>11} | tokens")
-    for when, rows in table(args).items():
+    for when, rows in out.items():
         for name, (mean, top, n) in rows.items():
             print(f"{when:<15} {name:<16} | {mean:12.2e} {top:11.2e} | {n}", flush=True)
+    if args.json:
+        json.dump({when: {name: dict(mean=m, max=t, tokens=n) for name, (m, t, n) in rows.items()}
+                   for when, rows in out.items()}, open(args.json, "w"), indent=1)
 
 
 if __name__ == "__main__":
