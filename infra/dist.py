@@ -362,7 +362,7 @@ class HeldOut:
             v = self.running.pop(g[0].group, None)
             train.append(g) if v is None else self.done[v].append(g)
         complete = [v for v, gs in self.done.items() if len(gs) == len(self.templates)]
-        return [(None, train)] * bool(train) + [(v, self.done.pop(v)) for v in complete]
+        return ([(None, train)] if train else []) + [(v, self.done.pop(v)) for v in complete]
 
     def score(self, groups):
         """Runs on the scoring thread: the evaluation's results (pipeline_rl.evaluate's) and its tokens' versions."""
