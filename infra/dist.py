@@ -238,9 +238,10 @@ class TrainerLink(BatchSource):
     def push_weights(self, policy, publish=True):
         """Trainer rank 0 broadcasts `policy.weights()`, gathered by every trainer rank; none once a stop is read."""
         self.version += 1
-        if publish and self.job.rank != 0:
+        if not publish:
+            return
+        if self.job.rank != 0:
             collections.deque(policy.weights(), maxlen=0)  # its part of the gathers
-        if not publish or self.job.rank != 0:
             return
         counter(self.job, "version", 1)
         for i, run in enumerate(buckets(policy.weights(), self.bucket_bytes)):
