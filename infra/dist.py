@@ -10,6 +10,7 @@ publishes weights), ranks T..W-1 generate; a plain `python scalerl.py` is a worl
 - FSDP2 (`shard`): fp32 master weights, gradients and AdamW; the body computed in the body dtype, an untied head its
   own unit in the head's dtype (Sec. 3.2). Gradients are summed: each rank's loss is its part of the batch's loss.
 """
+import collections
 import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -17,7 +18,6 @@ from datetime import timedelta
 import atexit
 import json
 import os
-import pickle
 import queue
 import shutil
 import sys
@@ -73,11 +73,13 @@ def dist_init(gen_ranks=0, timeout=60.0, gen_share=0.5):
     dist.broadcast_object_list(box, src=0)
     gen_ranks, timeout = box
     trainers, generators = roles(world, gen_ranks, gen_share)
-    t, late = timedelta(seconds=timeout), timedelta(seconds=timeout + 60)  # late: NCCL's watchdog, after ours
+    late = timedelta(seconds=timeout + 60)  # NCCL's watchdog, after ours
     groups = dict(trainer=dist.new_group(trainers, timeout=late),
                   weights=dist.new_group([0] + generators, timeout=late))
-    for rank in generators:  # pickled rollouts are CPU bytes: gloo even where weights go over NCCL
-        groups[rank] = dist.new_group([0, rank], timeout=t, backend="gloo")
+    # pickled rollouts are CPU bytes: gloo even where weights go over NCCL; trainer rank 0's receiver waits as long as
+    # it must (its wait on the generators is next_batch's), a sender as long as waiting_for allows
+    for rank in generators:
+        groups[rank] = dist.new_group([0, rank], timeout=timedelta(days=1), backend="gloo")
     store = dist.distributed_c10d._get_default_store()
     return Dist(dist.get_rank(), world, trainers, generators, timeout, groups, store)
 
@@ -111,17 +113,16 @@ def waiting_for(job, what, bound=False):
     nothing on the host, which waits until NCCL's watchdog aborts the process without a word on what it waited for
     (its groups' watchdogs wait 60 s longer, so this line comes first). The gradients' collectives are left to that
     watchdog: a bound on their block would count the backward's compute too."""
-    timer = threading.Timer(job.timeout, gave_up, (job, what)) if bound else None
-    if timer:
-        timer.daemon = True
+    timer = threading.Timer(job.timeout, gave_up, (job, what))
+    timer.daemon = True
+    if bound:
         timer.start()
     try:
         yield
     except RuntimeError as e:
         die(f"{job.name} gave up waiting for {what}: {first_line(e)}")
     finally:
-        if timer:
-            timer.cancel()
+        timer.cancel()
 
 
 def gave_up(job, what, why=""):
@@ -152,11 +153,9 @@ def share(job, obj, everyone=False):
 
 
 def send_groups(job, msg):
-    """Generator -> trainer rank 0 on the generator's own group: a length, then the pickled message (ranks trust)."""
-    payload = torch.frombuffer(bytearray(pickle.dumps(msg)), dtype=torch.uint8)
-    with waiting_for(job, "trainer rank 0 to take rollouts"):
-        for t in (torch.tensor([payload.numel()]), payload):
-            dist.send(t, dst=0, group=job.groups[job.rank])
+    """Generator -> trainer rank 0 on the generator's own group, pickled (ranks trust each other)."""
+    with waiting_for(job, "trainer rank 0 to take rollouts", bound=True):
+        dist.send_object_list([msg], dst=0, group=job.groups[job.rank])
 
 
 def buckets(named, limit):
@@ -206,16 +205,14 @@ class TrainerLink(BatchSource):
 
     def _receive(self, src):
         """send_groups' other end: no time-out of its own (next_batch's); a dead generator makes it raise at once."""
-        group, n = self.job.groups[src], torch.zeros(1, dtype=torch.long)
+        box = [None]
         try:
             while True:
-                dist.irecv(n, src=src, group=group).wait(timeout=timedelta(days=1))
-                payload = torch.empty(int(n), dtype=torch.uint8)
-                dist.irecv(payload, src=src, group=group).wait(timeout=timedelta(days=1))
-                if (msg := pickle.loads(payload.numpy().tobytes())) is None:
+                dist.recv_object_list(box, src=src, group=self.job.groups[src])
+                if box[0] is None:
                     return
-                self.info[src] = msg[1]
-                for kept, g in msg[0]:
+                self.info[src] = box[0][1]
+                for kept, g in box[0][0]:
                     self.kept[g[0].group] = kept
                     self.inbox.put(g)
         except Exception as e:  # noqa: BLE001 -- whatever it is, the main thread must hear of it and stop
@@ -243,20 +240,23 @@ class TrainerLink(BatchSource):
         self.version += 1
         if not publish:
             return
-        weights = policy.weights()
         if self.job.rank != 0:
-            for _ in weights:
-                pass
+            collections.deque(policy.weights(), maxlen=0)  # its part of the gathers
             return
-        self._land()
         counter(self.job, "version", 1)
-        for i, run in enumerate(buckets(weights, self.bucket_bytes)):
+        for i, run in enumerate(buckets(policy.weights(), self.bucket_bytes)):
             # a copy, never the live parameters (the next step changes them), into the buffer whose broadcast (i - 2)
             # has landed
             flat, _ = new_bucket(run, run[0][1].device, self.bufs, i % 2, fill=True)
             self._land()
             self.pending = dist.broadcast(flat, src=0, group=self.job.groups["weights"], async_op=True)
         self._land()  # sync_s ends once every generator holds the weights, not when the last broadcast is queued
+
+    def _land(self):
+        if self.pending is not None:
+            with waiting_for(self.job, f"generator ranks {self.job.generators} to take the weights", bound=True):
+                self.pending.wait(timedelta(seconds=self.job.timeout + 30))  # NCCL: the host waits on the device
+            self.pending = None
 
     def ask_eval(self, version, row):
         """Trainer rank 0: ask the generator ranks for the held-out pass rate of `version`, to log with `row`."""
@@ -268,41 +268,29 @@ class TrainerLink(BatchSource):
         """Trainer rank 0: [(row, results, (first, last) version of their tokens)] of the complete evaluations, in
         order, and those of versions before `until` waited for: at a checkpoint at most --dist_timeout (the other
         trainer ranks wait in a collective meanwhile; infra.plan holds that these have ended), at the end (`patient`,
-        once the other ranks are done) as long as the generators make tokens."""
+        once the other ranks are done) as long as the generators make tokens: an evaluation may take hours on a few
+        GPUs, longer than any fixed time-out."""
         out = []
         for v in sorted(self.asked):
             keys = [f"eval/{v}/{rank}" for rank in self.job.generators]
             if not (v < until or self.job.store.check(keys)):
                 break
-            what = f"the held-out pass rate of policy version {v} from generator ranks {self.job.generators}"
-            if patient:
-                self._wait_generating(keys, what)
-            with waiting_for(self.job, what + " (an evaluation longer than --eval_every steps: raise --eval_share)"):
-                self.job.store.wait(keys, timedelta(seconds=self.job.timeout))
+            tokens, since = None, time.time()
+            while not self.job.store.check(keys):
+                if patient and tokens != (tokens := counter(self.job, "gen_tokens")):
+                    since = time.time()
+                elif time.time() - since > self.job.timeout:
+                    gave_up(self.job, f"the held-out pass rate of policy version {v} from generator ranks "
+                            f"{self.job.generators}", " (no token generated meanwhile)" if patient
+                            else " (an evaluation longer than --eval_every steps: raise --eval_share)")
+                time.sleep(POLL_S)
             parts = [json.loads(self.job.store.get(key)) for key in keys]
             spans = [p["versions"] for p in parts if p["versions"]] or [(v, v)]
-            versions = min(x[0] for x in spans), max(x[1] for x in spans)
-            out.append((self.asked.pop(v), [r for p in parts for r in p["results"]], versions))
+            out.append((self.asked.pop(v), [r for p in parts for r in p["results"]],
+                        (min(x[0] for x in spans), max(x[1] for x in spans))))
             for key in keys + [f"eval/{v}"]:
                 self.job.store.delete_key(key)
         return out
-
-    def _wait_generating(self, keys, what):
-        """Wait for the store's `keys` as long as the generator ranks make tokens: an evaluation may take hours on a
-        few GPUs, longer than any fixed time-out; --dist_timeout without a new token ends the process."""
-        tokens, since = None, time.time()
-        while not self.job.store.check(keys):
-            if tokens != (tokens := counter(self.job, "gen_tokens")):
-                since = time.time()
-            elif time.time() - since > self.job.timeout:
-                gave_up(self.job, what, " (no token generated meanwhile)")
-            time.sleep(min(1.0, self.job.timeout / 10))
-
-    def _land(self):
-        if self.pending is not None:
-            with waiting_for(self.job, f"generator ranks {self.job.generators} to take the weights", bound=True):
-                self.pending.wait(timedelta(seconds=self.job.timeout + 30))  # NCCL: the host waits on the device
-            self.pending = None
 
     def totals(self):
         """Generation so far over all generator ranks: the furthest epoch, sums of the rest."""
@@ -312,10 +300,9 @@ class TrainerLink(BatchSource):
         return dict(tokens=counter(self.job, "gen_tokens"), gen_s=counter(self.job, "gen_us") / 1e6, **total)
 
     def close(self):
-        """The end of the run: generators stop after the last broadcast, their receivers with them."""
+        """The end of the run (the last broadcast has landed): generators stop, their receivers with them."""
         if self.job.rank == 0:
             counter(self.job, "stop", 2)
-            self._land()
             for rank, thread in zip(self.job.generators, self.threads):
                 thread.join(self.job.timeout)
                 if thread.is_alive():
@@ -339,11 +326,9 @@ def receive_weights(job, engine, version, bucket_bytes, take=True, bufs=None):
             yield run
     if take and staged:
         engine.load_weights(landed(), version)
-        return
-    for _ in landed():
-        pass
-    if take:
-        engine.version = version
+    else:
+        collections.deque(landed(), maxlen=0)
+        engine.version = version if take else engine.version
 
 
 class HeldOut:
@@ -353,16 +338,16 @@ class HeldOut:
     evaluation asked at version v may finish on later weights: its row logs the versions its tokens came from."""
     def __init__(self, rollouts, templates, n, cap):
         self.rollouts, self.templates, self.n, self.cap = rollouts, templates, n, max(n, cap)
-        self.todo, self.running, self.done, self.asked = [], {}, {}, 0  # (v, template); group -> v; v -> groups
+        # (v, template) to start; group -> v; v -> its finished groups; the versions asked
+        self.todo, self.running, self.done, self.asked = [], {}, {}, set()
 
     def ask(self, v):
-        """Queue version v's held-out groups; [(v, [])] where this rank has none: complete at once."""
-        if not self.templates:
-            return [(v, [])]
-        first = -1 - self.asked * len(self.templates)  # group ids of their own: evaluations may overlap
+        """Queue version v's held-out groups, with group ids of their own (evaluations may overlap); where this rank
+        has none, the evaluation is complete at the next `take`."""
+        first = -1 - len(self.asked) * len(self.templates)
         self.todo += [(v, replace(t, group=first - i)) for i, t in enumerate(self.templates)]
-        self.done[v], self.asked = [], self.asked + 1
-        return []
+        self.done[v] = []
+        self.asked.add(v)
 
     def start(self, engine, everything=False):
         while self.todo and engine.room >= self.n and (everything or (len(self.running) + 1) * self.n <= self.cap):
@@ -371,13 +356,14 @@ class HeldOut:
             engine.add(t, self.n)
 
     def take(self, finished):
-        """(the training groups among `finished`, [(v, its groups)] of the evaluations now complete)."""
+        """[(None, the training groups among `finished`)] if any, then [(v, its groups)] of the evaluations now
+        complete."""
         train = []
         for g in finished:
             v = self.running.pop(g[0].group, None)
             train.append(g) if v is None else self.done[v].append(g)
         complete = [v for v, gs in self.done.items() if len(gs) == len(self.templates)]
-        return train, [(v, self.done.pop(v)) for v in complete]
+        return ([(None, train)] if train else []) + [(v, self.done.pop(v)) for v in complete]
 
     def score(self, groups):
         """Runs on the scoring thread: the evaluation's results (pipeline_rl.evaluate's) and its tokens' versions."""
@@ -388,12 +374,12 @@ class HeldOut:
 
 
 def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_path, save_every, bucket_bytes,
-                  held_out=None):
+                  held_out):
     """A generator rank until trainer rank 0 says stop. Each turn: take the published weights, note the versions asked
     for evaluation (`held_out`), send the scored groups and held-out results, start held-out groups within their share
     of the slots and training groups under the lag bound, one engine step. Stop 1: training is over, evaluations take
     every slot; 2: stop."""
-    engine, evaluated, bufs = rollouts.engine, set(), {}  # bufs: the reused receive buffer (vLLM)
+    engine, bufs = rollouts.engine, {}  # bufs: the reused receive buffer (vLLM)
     # [(future, groups, None) or (future, groups, evaluated version)] in finishing order
     scorer, scoring = ThreadPoolExecutor(1, thread_name_prefix="score"), []
     # a resumed run starts at the checkpoint's version; next_group: taken from the counter, not started yet
@@ -405,9 +391,8 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
         if time.time() - polled >= POLL_S:
             polled = time.time()
             for key, n in counts.items():
-                if n:
-                    counter(job, key, n)
-                    counts[key] = 0
+                counter(job, key, n)
+            counts = dict.fromkeys(counts, 0)
             stop = counter(job, "stop")  # before the version: every broadcast published before the stop is received
             dropped = counter(job, "dropped")
             # the last version received, then the new ones, each noted for evaluation if trainer rank 0 asked (it asks
@@ -415,14 +400,12 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
             for v in range(received, counter(job, "version") + 1):
                 if v > received:
                     receive_weights(job, engine, v, bucket_bytes, take=mode == "pipeline" or v % k == 0, bufs=bufs)
-                if held_out and v not in evaluated and job.store.check([f"eval/{v}"]):
-                    evaluated.add(v)
-                    scoring += [(scorer.submit(held_out.score, []), [], u) for u, _ in held_out.ask(v)]
+                if v not in held_out.asked and job.store.check([f"eval/{v}"]):
+                    held_out.ask(v)
             received = v
         if received != saved and received % save_every == 0:
             tmp = state_path + ".tmp"
-            try:
-                os.makedirs(os.path.dirname(state_path) or ".", exist_ok=True)
+            try:  # into --out_dir, which every rank was seen to share at start
                 torch.save(dict(rollouts.state_dict(), version=received), tmp)
                 os.replace(tmp, state_path)
             except (OSError, RuntimeError) as e:
@@ -444,8 +427,7 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
             send_groups(job, ([(rollouts.keep(g), g) for g in groups], rollouts.info()))
         if stop > 1:
             break
-        if held_out:
-            held_out.start(engine, everything=stop > 0)
+        held_out.start(engine, everything=stop > 0)
         while engine.room > 0 and not stop:
             if next_group is None:
                 next_group = counter(job, "admitted", 1) - 1
@@ -453,42 +435,35 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
                 break  # past the lag bound: it starts once newer weights arrive
             engine.add(rollouts.next_template(next_group), group_size)
             next_group = None
-        if not engine.busy:
+        finished, t, n = [], time.time(), engine.stats["tokens"]
+        if engine.busy:
+            finished, idle_since = engine.step(), None
+            counts["gen_us"] += int((time.time() - t) * 1e6)
+            counts["gen_tokens"] += engine.stats["tokens"] - n
+        else:
             idle_since = idle_since or time.time()
             if time.time() - idle_since > job.timeout and not stop:
                 gave_up(job, f"policy version {received + 1} from trainer rank 0",
                         " (the lag bound admits no new group before it)")
             time.sleep(0.002)
-            continue
-        t, n, idle_since = time.time(), engine.stats["tokens"], None
-        done = engine.step()
-        counts["gen_us"] += int((time.time() - t) * 1e6)
-        counts["gen_tokens"] += engine.stats["tokens"] - n
-        done, complete = held_out.take(done) if held_out else (done, [])
-        if done:
-            scoring.append((scorer.submit(rollouts.score, done), done, None))
-        for v, groups in complete:
-            scoring.append((scorer.submit(held_out.score, groups), groups, v))
-    scorer.shutdown()
+        scoring += [(scorer.submit(rollouts.score if v is None else held_out.score, groups), groups, v)
+                    for v, groups in held_out.take(finished)]
     send_groups(job, None)  # trainer rank 0's receiver for this rank stops
 
 
 def shard(policy, layers, group, body_dtype=torch.float32):
     """FSDP2 over `group`: each of `layers` a unit, the untied head a unit, the rest (embeddings, norm) the root."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = DeviceMesh.from_group(group, next(policy.parameters()).device.type)
-    body = MixedPrecisionPolicy(param_dtype=body_dtype, reduce_dtype=torch.float32)
-    for m in layers:
-        fully_shard(m, mesh=mesh, mp_policy=body)
-    if not policy.tied:
-        fully_shard(policy.head, mesh=mesh, mp_policy=MixedPrecisionPolicy(policy.head.dtype, torch.float32))
-    head = set() if policy.tied else set(policy.head.parameters())  # the root reaches it through lm.lm_head too
-    fully_shard(policy, mesh=mesh, mp_policy=body, ignored_params=head)
-    for m in policy.modules():
-        if isinstance(m, FSDPModule):
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no average or pre-scaled sum
+    head = [] if policy.tied else [policy.head]
+    for m in [*layers, *head, policy]:
+        mp = MixedPrecisionPolicy(policy.head.dtype if m in head else body_dtype, torch.float32)
+        # the root reaches an untied head through lm.lm_head too: its parameters (sharded by now) are the head's unit's
+        ignored = {p for h in head for p in h.parameters()} if m is policy else None
+        fully_shard(m, mesh=mesh, mp_policy=mp, ignored_params=ignored)
+        m.set_gradient_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no average or pre-scaled sum
     return policy
 
 
@@ -510,9 +485,8 @@ class TrainerComm:
         self.job, self.rank, self.size = job, job.trainers.index(job.rank), len(job.trainers)
 
     def guard(self, what):
-        if self.size == 1:
-            return contextlib.nullcontext()
-        return waiting_for(self.job, f"{what} of trainer ranks {self.job.trainers}")
+        one = contextlib.nullcontext()
+        return one if self.size == 1 else waiting_for(self.job, f"{what} of trainer ranks {self.job.trainers}")
 
     def reduce(self, sums, maxes):
         if self.size == 1:

@@ -52,19 +52,21 @@ def test_held_out_groups_keep_their_share_of_the_slots_and_come_back_whole():
     rollouts = pipeline_rl.Rollouts(engine, pipeline_rl.PromptPool(data.arith_problems(40), seed=0), tok, 64)
     templates = [rollouts.template(p, -1 - i) for i, p in enumerate(data.arith_problems(5, seed=1))]
     held = dist.HeldOut(rollouts, templates, 2, cap=4)
-    assert held.ask(0) == [] and held.ask(1) == []
+    held.ask(0), held.ask(1)
     train, complete, most = [], [], 0
     for g in range(3):
         engine.add(rollouts.next_template(g), 2)
     while len(complete) < 2:
         held.start(engine, everything=len(train) == 3)
         most = max(most, 2 * len(held.running)) if len(train) < 3 else most
-        t, c = held.take(engine.step())
-        train, complete = train + t, complete + c
+        taken = held.take(engine.step())  # [(None, training groups)], then [(version, its groups)]
+        train += [g for v, gs in taken if v is None for g in gs]
+        complete += [(v, gs) for v, gs in taken if v is not None]
     assert most <= 4 and len(train) == 3 and all(g[0].group >= 0 for g in train)
     assert [v for v, _ in complete] == [0, 1] and all(len(gs) == 5 and all(len(g) == 2 for g in gs) for _, gs in complete)
     assert {g[0].group for _, gs in complete for g in gs} == set(range(-1, -11, -1))  # ten groups, none shared
     result = held.score(complete[0][1])
     assert len(result["results"]) == 10 and result["versions"] == (0, 0)
     nothing = dist.HeldOut(rollouts, [], 2, cap=4)
-    assert nothing.ask(3) == [(3, [])] and nothing.score([]) == dict(results=[], versions=None)
+    nothing.ask(3)
+    assert nothing.take([]) == [(3, [])] and nothing.score([]) == dict(results=[], versions=None)
