@@ -42,11 +42,13 @@ def model_shape(cfg):
 
 
 def sizes(cfg, shape):
-    """(parameters, a decoder layer's, the root FSDP2 unit's (embeddings, final norm), body and head dtype bytes)."""
+    """(parameters, a decoder layer's, the root FSDP2 unit's (embeddings, final norm), body and head dtype bytes, KV
+    cache bytes per token: keys and values of every layer, in the body dtype)."""
     L, H, I, nq, nkv, hd, V, tied = shape
     layer = 2 * H * nq * hd + 2 * H * nkv * hd + 3 * H * I + 2 * H  # attention, MLP, two norms
     b = 2 if cfg.dtype == "bfloat16" else 4
-    return L * layer + V * H * (1 if tied else 2) + H, layer, V * H + H, b, 4 if cfg.fp32_head else b
+    P = L * layer + V * H * (1 if tied else 2) + H
+    return P, layer, V * H + H, b, 4 if cfg.fp32_head else b, 2 * L * nkv * hd * b
 
 
 def trainer_activations(shape, tokens, seq, ckpt, b, fp32_head=True):
@@ -67,15 +69,10 @@ def trainer_activations(shape, tokens, seq, ckpt, b, fp32_head=True):
     return body + (CHUNK * V * 4 if fp32_head else 3 * tokens * V * 4)
 
 
-def kv_token(cfg, shape):
-    """KV cache bytes per token: keys and values of every layer, in the body dtype."""
-    return 2 * shape[0] * shape[4] * shape[5] * sizes(cfg, shape)[3]
-
-
 def trainer_rows(cfg, shape, T, seq):
     """A trainer GPU (infra.dist.shard: FSDP2 over T ranks, or over one for the mixed precision of a body below fp32).
     A sequence longer than the micro-batch is a micro-batch of its own (trainer.micro_batches)."""
-    P, layer, root, b, hb = sizes(cfg, shape)
+    P, layer, root, b, hb, _ = sizes(cfg, shape)
     fsdp, tokens, VH = T > 1 or b < 4, max(cfg.micro_batch_tokens, seq), shape[6] * shape[1]
     return {"parameters (fp32 master)": 4 * P / T, "gradients (fp32)": 4 * P / T,  # sharded, as AdamW's m, v
             "optimizer state (AdamW m, v)": 8 * P / T,
@@ -89,10 +86,10 @@ def trainer_rows(cfg, shape, T, seq):
 def engine_rows(cfg, shape, seq):
     """An engine (infra.run.make_engine): the body dtype, an untied FP32 head in fp32; the KV cache it allocates for
     --slots full-length sequences (TorchEngine's SlotCache; VLLMEngine's kv_cache_memory_bytes, 128 more each)."""
-    P, _, _, b, hb = sizes(cfg, shape)
+    P, _, _, b, hb, kv = sizes(cfg, shape)
     kv_len = seq + 1 + 128 * (cfg.engine == "vllm")
     return {"engine weights": b * P + (hb - b) * shape[6] * shape[1] * (not shape[7]),
-            "KV cache": cfg.slots * kv_token(cfg, shape) * kv_len}
+            "KV cache": cfg.slots * kv * kv_len}
 
 
 @functools.lru_cache(maxsize=4)
@@ -138,7 +135,7 @@ def columns(cfg, shape, world, T, seq):
     reused --sync_bucket_mb buffers, one in flight while the other is packed, beside one FSDP2-gathered parameter; a
     generator's PyTorch engine receives each bucket straight into its parameters, vLLM (and a PPO-off-policy version
     that is not loaded) into one reused bucket buffer (infra.dist.receive_weights)."""
-    (P, _, _, b, hb), (_, H, I, _, _, _, V, tied) = sizes(cfg, shape), shape
+    (P, _, _, b, hb, _), (_, H, I, _, _, _, V, tied) = sizes(cfg, shape), shape
     train, engine = trainer_rows(cfg, shape, T, seq), engine_rows(cfg, shape, seq)
     if world == 1:
         return {"GPU 0": {**train, **{k: 2 * v for k, v in engine.items()}, SYNC: engine["engine weights"] * (b < 4)}}
@@ -184,7 +181,7 @@ def timing(cfg, shape, world, T, G):
     """Estimated seconds of the work the job's waits cover: a trainer step (and its FP32 head's part), a generator's
     engine step, the generation of one step's completions, the first group's, and a held-out evaluation; and the
     completions one generator may hold at once (`flight`)."""
-    P, (L, H, _, nq, _, hd, V, tied) = sizes(cfg, shape)[0], shape
+    (P, _, _, b, _, kv_token), (L, H, _, nq, _, hd, V, tied) = sizes(cfg, shape), shape
     BG, gen_len = cfg.batch_prompts * cfg.group_size, MEAN_LEN * (cfg.think_max + 24 + cfg.answer_budget)
     seq = MEAN_LEN * cfg.max_prompt + gen_len  # a completion's tokens, on average, and its prompt's
     # trainer: 6 FLOPs a parameter a token (8 recomputing the forward), causal attention over half the sequence, the
@@ -198,10 +195,9 @@ def timing(cfg, shape, world, T, G):
     flight = min(cfg.slots, -(-(cfg.max_lag + 1) * BG // G))
     running = flight if world > 1 else min(cfg.slots, BG)
     if world > 1 and cfg.engine == "vllm":  # as many as vLLM's KV cache holds
-        kv = vllm_share(cfg, shape) - sizes(cfg, shape)[3] * P
-        running = max(1.0, min(running, kv / (kv_token(cfg, shape) * seq)))
+        running = max(1.0, min(running, (vllm_share(cfg, shape) - b * P) / (kv_token * seq)))
     weights = engine_rows(cfg, shape, 0)["engine weights"]
-    tick = (weights + running * seq * kv_token(cfg, shape)) / (HBM_BYTES_S * BW_UTIL)
+    tick = (weights + running * seq * kv_token) / (HBM_BYTES_S * BW_UTIL)
     # tokens a second over the generators; under torchrun an evaluation takes --eval_share of them, rollouts the rest
     rate, share = G * running / tick, cfg.eval_share
     return dict(step=step, head=head, tick=tick, first_group=(cfg.think_max + 24 + cfg.answer_budget) * tick,
@@ -265,12 +261,12 @@ def plan(cfg):
            f"prompts x {cfg.eval_samples}"]
     if shape is None:
         return "\n".join(out + [f"  memory: shape of {cfg.model} unknown offline (cache its config.json to see it)"])
-    (L, H, I, nq, nkv, hd, V, tied), P = shape, sizes(cfg, shape)[0]
+    (L, H, I, nq, nkv, hd, V, tied), (P, _, _, _, _, kv) = shape, sizes(cfg, shape)
     t, cols = timing(cfg, shape, world, T, G), columns(cfg, shape, world, T, seq)
     out.append(f"  model {P / 1e9:.2f}B parameters ({L} layers, hidden {H}, {nq}/{nkv} q/kv heads "
                f"x {hd}, vocab {V:,}{', tied' if tied else ''})")
     # the table: a row per use, a column per role, the total and the verdict at GPU_GB; then what it assumes
-    full = kv_token(cfg, shape) * seq  # a full-length sequence's KV cache
+    full = kv * seq  # a full-length sequence's KV cache
     off = "activations, act_ckpt " + ("off" if cfg.act_ckpt else "on")  # shown, not counted
     totals = {c: counted(cfg, rows) for c, rows in cols.items()}
     # an engine holds at least one full-length sequence
