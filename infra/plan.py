@@ -9,10 +9,9 @@ from dataclasses import replace
 import functools
 import inspect
 import os
-import sys
 
 import losses
-from infra import dist
+from infra import dist, fail
 
 # Shapes of hub models a plan may name while offline (their config.json values): layers, hidden, MLP, q heads,
 # kv heads, head dim, vocabulary, tied embeddings.
@@ -26,6 +25,7 @@ CHUNK = inspect.signature(losses.token_logprobs).parameters["chunk"].default  # 
 # bandwidth, at a share typical of FSDP training (MFU) and of memory-bound decoding; a completion's mean length half
 # its longest (the paper kept truncation under 5%); a wait must last MARGIN times the work it waits for.
 BF16_FLOPS, FP32_FLOPS, HBM_BYTES_S, MFU, BW_UTIL, MEAN_LEN, MARGIN = 989e12, 67e12, 3.35e12, 0.4, 0.5, 0.5, 2
+SYNC = "weight-sync buffers"  # the last row before the total
 
 
 def model_shape(cfg):
@@ -42,11 +42,13 @@ def model_shape(cfg):
 
 
 def sizes(cfg, shape):
-    """(parameters, a decoder layer's, the root FSDP2 unit's (embeddings, final norm), body and head dtype bytes)."""
+    """(parameters, a decoder layer's, the root FSDP2 unit's (embeddings, final norm), body and head dtype bytes, KV
+    cache bytes per token: keys and values of every layer, in the body dtype)."""
     L, H, I, nq, nkv, hd, V, tied = shape
     layer = 2 * H * nq * hd + 2 * H * nkv * hd + 3 * H * I + 2 * H  # attention, MLP, two norms
     b = 2 if cfg.dtype == "bfloat16" else 4
-    return L * layer + V * H * (1 if tied else 2) + H, layer, V * H + H, b, 4 if cfg.fp32_head else b
+    P = L * layer + V * H * (1 if tied else 2) + H
+    return P, layer, V * H + H, b, 4 if cfg.fp32_head else b, 2 * L * nkv * hd * b
 
 
 def trainer_activations(shape, tokens, seq, ckpt, b, fp32_head=True):
@@ -67,15 +69,10 @@ def trainer_activations(shape, tokens, seq, ckpt, b, fp32_head=True):
     return body + (CHUNK * V * 4 if fp32_head else 3 * tokens * V * 4)
 
 
-def kv_token(cfg, shape):
-    """KV cache bytes per token: keys and values of every layer, in the body dtype."""
-    return 2 * shape[0] * shape[4] * shape[5] * sizes(cfg, shape)[3]
-
-
 def trainer_rows(cfg, shape, T, seq):
     """A trainer GPU (infra.dist.shard: FSDP2 over T ranks, or over one for the mixed precision of a body below fp32).
     A sequence longer than the micro-batch is a micro-batch of its own (trainer.micro_batches)."""
-    P, layer, root, b, hb = sizes(cfg, shape)
+    P, layer, root, b, hb, _ = sizes(cfg, shape)
     fsdp, tokens, VH = T > 1 or b < 4, max(cfg.micro_batch_tokens, seq), shape[6] * shape[1]
     return {"parameters (fp32 master)": 4 * P / T, "gradients (fp32)": 4 * P / T,  # sharded, as AdamW's m, v
             "optimizer state (AdamW m, v)": 8 * P / T,
@@ -89,37 +86,10 @@ def trainer_rows(cfg, shape, T, seq):
 def engine_rows(cfg, shape, seq):
     """An engine (infra.run.make_engine): the body dtype, an untied FP32 head in fp32; the KV cache it allocates for
     --slots full-length sequences (TorchEngine's SlotCache; VLLMEngine's kv_cache_memory_bytes, 128 more each)."""
-    P, _, _, b, hb = sizes(cfg, shape)
+    P, _, _, b, hb, kv = sizes(cfg, shape)
     kv_len = seq + 1 + 128 * (cfg.engine == "vllm")
     return {"engine weights": b * P + (hb - b) * shape[6] * shape[1] * (not shape[7]),
-            "KV cache": cfg.slots * kv_token(cfg, shape) * kv_len}
-
-
-def sync_rows(cfg, shape, world):
-    """Weight-sync buffers as built. In one process the engines load the trainer's weights (trainer.Policy.state, as
-    the engines hold them; an fp32 body is not copied). Under torchrun trainer rank 0 casts the weights into two
-    reused --sync_bucket_mb buffers, one in flight while the other is packed, beside one FSDP2-gathered parameter; a
-    generator's PyTorch engine receives each bucket straight into its parameters, vLLM (and a PPO-off-policy version
-    that is not loaded) into one reused bucket buffer (infra.dist.receive_weights)."""
-    P, _, _, b, hb = sizes(cfg, shape)
-    model = engine_rows(cfg, shape, 0)["engine weights"]
-    if world == 1:
-        return {"trainer 0": {"weight-sync buffers": model * (b < 4)}, "generator": {"weight-sync buffers": 0.0}}
-    # trainer rank 0 packs bucket i into reused buffer i % 2, each as large as the largest it held (an untied fp32
-    # head's, 2.49 GB at 8B), beside the largest tensor gathered in its dtype (that head, or an embedding or MLP)
-    runs = bucket_bytes(cfg, shape)
-    largest = max(shape[6] * shape[1] * (b if shape[7] else hb), 3 * shape[1] * shape[2] * b)
-    return {"trainer 0": {"weight-sync buffers": max(runs[::2]) + max(runs[1::2] or [0]) + largest},
-            # a bucket holds whole units: the head (fp32 when untied, 2.49 GB at 8B) is one of its own; vLLM's
-            # receive buffer is a row of vllm_offshare_rows
-            "generator": {"weight-sync buffers": max(runs) * (cfg.engine == "torch" and cfg.off_policy == "ppo")}}
-
-
-def vllm_offshare_rows(cfg, shape):
-    """What a vLLM generator rank puts on its GPU beside vLLM's share (infra.vllm_engine.outside_share), for a model
-    of `shape` built on the meta device in the dtypes the engine holds (infra.run.make_engine)."""
-    from infra.vllm_engine import outside_share
-    return outside_share(meta_model(cfg.model == "tiny", shape, cfg.dtype, cfg.fp32_head), cfg.sync_bucket_mb << 20)
+            "KV cache": cfg.slots * kv * kv_len}
 
 
 @functools.lru_cache(maxsize=4)
@@ -137,6 +107,13 @@ def meta_model(tiny, shape, dtype, fp32_head):
     return model
 
 
+def vllm_offshare_rows(cfg, shape):
+    """What a vLLM generator rank puts on its GPU beside vLLM's share (infra.vllm_engine.outside_share), for a model
+    of `shape` built on the meta device in the dtypes the engine holds (infra.run.make_engine)."""
+    from infra.vllm_engine import outside_share
+    return outside_share(meta_model(cfg.model == "tiny", shape, cfg.dtype, cfg.fp32_head), cfg.sync_bucket_mb << 20)
+
+
 def bucket_bytes(cfg, shape):
     """The bytes of each weight bucket, in order (infra.dist.buckets over the parameters in the engine's dtypes)."""
     model = meta_model(cfg.model == "tiny", shape, cfg.dtype, cfg.fp32_head)
@@ -152,143 +129,108 @@ def vllm_share(cfg, shape):
 
 def columns(cfg, shape, world, T, seq):
     """{GPU role: {row: bytes}}. One process holds the trainer, the rollout engine and the evaluation engine; under
-    torchrun the generators evaluate, and vLLM takes what is left of its gpu_memory_utilization for the KV cache."""
+    torchrun the generators evaluate, and vLLM takes what is left of its gpu_memory_utilization for the KV cache.
+    Weight-sync buffers as built: in one process the engines load the trainer's weights (trainer.Policy.state, as
+    the engines hold them; an fp32 body is not copied). Under torchrun trainer rank 0 casts the weights into two
+    reused --sync_bucket_mb buffers, one in flight while the other is packed, beside one FSDP2-gathered parameter; a
+    generator's PyTorch engine receives each bucket straight into its parameters, vLLM (and a PPO-off-policy version
+    that is not loaded) into one reused bucket buffer (infra.dist.receive_weights)."""
+    (P, _, _, b, hb, _), (_, H, I, _, _, _, V, tied) = sizes(cfg, shape), shape
     train, engine = trainer_rows(cfg, shape, T, seq), engine_rows(cfg, shape, seq)
-    sync = sync_rows(cfg, shape, world)
     if world == 1:
-        return {"GPU 0": {**train, **{k: 2 * v for k, v in engine.items()}, **sync["trainer 0"]}}
-    cols = {"trainer 0": {**train, **sync["trainer 0"]}}
+        return {"GPU 0": {**train, **{k: 2 * v for k, v in engine.items()}, SYNC: engine["engine weights"] * (b < 4)}}
+    # trainer rank 0 packs bucket i into reused buffer i % 2, each as large as the largest it held (an untied fp32
+    # head's, 2.49 GB at 8B), beside the largest tensor gathered in its dtype (that head, or an embedding or MLP)
+    runs = bucket_bytes(cfg, shape)
+    largest = max(V * H * (b if tied else hb), 3 * H * I * b)
+    cols = {"trainer 0": {**train, SYNC: max(runs[::2]) + max(runs[1::2] or [0]) + largest}}
     if T > 1:
-        cols[f"trainer{'s 1-' if T > 2 else ' '}{T - 1}"] = {**train, "weight-sync buffers": 0.0}
-    cols["generators"] = {**engine, **sync["generator"]}
+        cols[f"trainer{'s 1-' if T > 2 else ' '}{T - 1}"] = {**train, SYNC: 0.0}
+    # a bucket holds whole units: the head (fp32 when untied, 2.49 GB at 8B) is one of its own
+    cols["generators"] = {**engine, SYNC: max(runs) * (cfg.off_policy == "ppo")}
     if cfg.engine == "vllm":
         # vLLM's share holds its weights in the body dtype and the KV cache; beside it, a row each: what
-        # infra.vllm_engine.outside_share counts, from which the engine computes the share it asks for
-        P, _, _, b, _ = sizes(cfg, shape)
+        # infra.vllm_engine.outside_share counts, from which the engine computes the share it asks for (its receive
+        # buffer among them)
         cols["generators"] = {"engine weights": b * P, "KV cache": max(0.0, vllm_share(cfg, shape) - b * P),
                               **vllm_offshare_rows(cfg, shape)}
     return cols
 
 
-def trainers_fit(cfg, shape, world, T, seq, gpu_gb=GPU_GB):
-    """Whether every trainer GPU's total fits gpu_gb with T trainer ranks."""
-    off = "activations, act_ckpt " + ("off" if cfg.act_ckpt else "on")
-    return all(sum(v for r, v in rows.items() if r != off) <= gpu_gb * GB
-               for c, rows in columns(cfg, shape, world, T, seq).items() if c.startswith("trainer"))
+def counted(cfg, rows):
+    """A column's total: every row but the activations of the --act_ckpt setting not taken (shown, not counted)."""
+    return sum(v for r, v in rows.items() if r != "activations, act_ckpt " + ("off" if cfg.act_ckpt else "on"))
 
 
 def seq_len(cfg):
     return cfg.max_prompt + cfg.think_max + 24 + cfg.answer_budget  # 24: the interruption phrase, generously
 
 
-def settle(cfg, world, gpu_gb=GPU_GB):
-    """Trainer rank 0 at the start of a GPU job (infra.run.start), as --dry_run plans it: (generator ranks or 0 for
-    --gen_share's split, --dist_timeout, why the time-outs cannot hold or None). --dist_timeout=0 takes MARGIN x the
-    longest work a wait covers (at least 30 min)."""
-    shape = model_shape(cfg)
-    g = fitting_gen_ranks(cfg, world, gpu_gb) if not cfg.gen_ranks else cfg.gen_ranks
-    if shape is None:
-        return g or 0, cfg.dist_timeout or 1800.0, None
-    trainers, gens = dist.roles(world, g or 0, cfg.gen_share)
-    flight = min(cfg.slots, -(-(cfg.max_lag + 1) * cfg.batch_prompts * cfg.group_size // len(gens)))
-    t = timing(cfg, shape, world, len(trainers), len(gens), flight)
-    timeout = cfg.dist_timeout or max(1800.0, round(MARGIN * longest_wait(t)[1], -2) + 100)
-    return g or 0, timeout, timeout_problem(replace(cfg, dist_timeout=timeout), shape, world, len(trainers),
-                                            len(gens), flight)
-
-
 def fitting_gen_ranks(cfg, world, gpu_gb=GPU_GB):
     """Generator ranks for `world` GPUs of gpu_gb each: --gen_ranks, or --gen_share's split, or fewer generators
-    where the trainer ranks would not fit beside them (0: no split fits; None: the model's shape is unknown)."""
+    where the trainer ranks would not fit beside them (0: no split fits; None: the model's shape is unknown). Trainer
+    0 holds the most: the others have no weight-sync buffers."""
     shape, gens = model_shape(cfg), len(dist.roles(world, cfg.gen_ranks, cfg.gen_share)[1])
     if shape is None:
         return None
-    return next((g for g in range(gens, 0, -1) if trainers_fit(cfg, shape, world, world - g, seq_len(cfg), gpu_gb)), 0)
+    return next((g for g in range(gens, 0, -1) if counted(
+        cfg, columns(cfg, shape, world, world - g, seq_len(cfg))["trainer 0"]) <= gpu_gb * GB), 0)
 
 
-def timing(cfg, shape, world, T, G, flight):
+def timing(cfg, shape, world, T, G):
     """Estimated seconds of the work the job's waits cover: a trainer step (and its FP32 head's part), a generator's
-    engine step, the generation of one step's completions, the first group's, and a held-out evaluation."""
-    P, (L, H, _, nq, _, hd, V, tied) = sizes(cfg, shape)[0], shape
-    gen_len = MEAN_LEN * (cfg.think_max + 24 + cfg.answer_budget)  # a completion's tokens, on average
-    seq = MEAN_LEN * cfg.max_prompt + gen_len
+    engine step, the generation of one step's completions, the first group's, and a held-out evaluation; and the
+    completions one generator may hold at once (`flight`)."""
+    (P, _, _, b, _, kv_token), (L, H, _, nq, _, hd, V, tied) = sizes(cfg, shape), shape
+    BG, gen_len = cfg.batch_prompts * cfg.group_size, MEAN_LEN * (cfg.think_max + 24 + cfg.answer_budget)
+    seq = MEAN_LEN * cfg.max_prompt + gen_len  # a completion's tokens, on average, and its prompt's
     # trainer: 6 FLOPs a parameter a token (8 recomputing the forward), causal attention over half the sequence, the
     # head's 6VH in its own precision
     passes = 3 + cfg.act_ckpt
     body = 2 * passes * (P - V * H * (1 + (not tied))) + passes * 4 * L * nq * hd * seq / 2
-    tokens = cfg.batch_prompts * cfg.group_size * seq / T
+    tokens = BG * seq / T
     head = tokens * 6 * V * H / ((FP32_FLOPS if cfg.fp32_head else BF16_FLOPS) * MFU)
     step = tokens * body / (BF16_FLOPS * MFU) + head
     # a generator's engine step reads its weights and the running sequences' KV cache: memory-bound decoding
-    running = flight if world > 1 else min(cfg.slots, cfg.batch_prompts * cfg.group_size)
+    flight = min(cfg.slots, -(-(cfg.max_lag + 1) * BG // G))
+    running = flight if world > 1 else min(cfg.slots, BG)
     if world > 1 and cfg.engine == "vllm":  # as many as vLLM's KV cache holds
-        kv = vllm_share(cfg, shape) - sizes(cfg, shape)[3] * P
-        running = max(1.0, min(running, kv / (kv_token(cfg, shape) * seq)))
+        running = max(1.0, min(running, (vllm_share(cfg, shape) - b * P) / (kv_token * seq)))
     weights = engine_rows(cfg, shape, 0)["engine weights"]
-    tick = (weights + running * seq * kv_token(cfg, shape)) / (HBM_BYTES_S * BW_UTIL)
+    tick = (weights + running * seq * kv_token) / (HBM_BYTES_S * BW_UTIL)
     # tokens a second over the generators; under torchrun an evaluation takes --eval_share of them, rollouts the rest
     rate, share = G * running / tick, cfg.eval_share
     return dict(step=step, head=head, tick=tick, first_group=(cfg.think_max + 24 + cfg.answer_budget) * tick,
-                generation=cfg.batch_prompts * cfg.group_size * gen_len / (rate * (1 - share)),
-                evaluation=cfg.eval_prompts * cfg.eval_samples * gen_len / (rate * share))
+                generation=BG * gen_len / (rate * (1 - share)),
+                evaluation=cfg.eval_prompts * cfg.eval_samples * gen_len / (rate * share), flight=flight)
 
 
-def longest_wait(t):
-    """(what, seconds): the longest work a wait of the job covers, from `timing`."""
-    return max({"a trainer step (a generator idles at the lag bound meanwhile)": t["step"],
-                "one step's generation (trainer rank 0 gathers the batch meanwhile)": t["generation"],
-                "the first group (as long as its longest completion)": t["first_group"]}.items(), key=lambda x: x[1])
-
-
-def timeout_problem(cfg, shape, world, T, G, flight):
-    """Why --dist_timeout or --eval_every cannot hold this job (the arithmetic, one line), or None."""
-    t = timing(cfg, shape, world, T, G, flight)
-    what, longest = longest_wait(t)
-    if cfg.dist_timeout < MARGIN * longest:
-        return (f"--dist_timeout={cfg.dist_timeout:.0f} s is shorter than {MARGIN} x {what}: estimated "
-                f"{longest:,.0f} s on {T} trainer and {G} generator GPUs; give it at least {MARGIN * longest:,.0f}")
+def settle(cfg, world, gpu_gb=GPU_GB):
+    """Trainer rank 0 at the start of a GPU job (infra.run.start), as --dry_run plans it: (generator ranks or 0 for
+    --gen_share's split, --dist_timeout, why --dist_timeout or --eval_every cannot hold this job or None; a split
+    that leaves no trainer raises ValueError). --dist_timeout=0 takes MARGIN x the longest work a wait covers (at
+    least 30 min)."""
+    shape, g = model_shape(cfg), cfg.gen_ranks or fitting_gen_ranks(cfg, world, gpu_gb) or 0
+    trainers, gens = dist.roles(world, g, cfg.gen_share)
+    if shape is None:
+        return g, cfg.dist_timeout or 1800.0, None
+    t = timing(cfg, shape, world, len(trainers), len(gens))
+    what, longest = max({"a trainer step (a generator idles at the lag bound meanwhile)": t["step"],
+                         "one step's generation (trainer rank 0 gathers the batch meanwhile)": t["generation"],
+                         "the first group (as long as its longest completion)": t["first_group"]}.items(),
+                        key=lambda x: x[1])
+    timeout = cfg.dist_timeout or max(1800.0, round(MARGIN * longest, -2) + 100)
     cycle = cfg.eval_every * max(t["step"], t["generation"])
-    if world > 1 and t["evaluation"] > cycle:
-        return (f"a held-out evaluation (estimated {t['evaluation']:,.0f} s with --eval_share={cfg.eval_share} of "
-                f"{G} generators' slots) outlasts --eval_every={cfg.eval_every} steps ({cycle:,.0f} s): evaluations "
-                "would queue up; raise --eval_share or --eval_every, or lower --eval_prompts")
-    return None
-
-
-def memory_lines(cfg, shape, world, T, seq, flight):
-    """The table: a row per use, a column per role, the total and the verdict at GPU_GB; then what it assumes."""
-    cols, ckpt = columns(cfg, shape, world, T, seq), cfg.act_ckpt
-    off = "activations, act_ckpt " + ("off" if ckpt else "on")  # shown, not counted
-    full = kv_token(cfg, shape) * seq  # a full-length sequence's KV cache
-    totals = {c: sum(v for r, v in rows.items() if r != off) for c, rows in cols.items()}
-    fits = [totals[c] <= GPU_GB * GB and rows.get("KV cache", full) >= full for c, rows in cols.items()]  # + 1 seq
-    unit, u = ("GB", GB) if max(totals.values()) >= GB else ("MB", 1e6)
-    out = [f"  memory per GPU, {unit} ({GPU_GB} GB each)".ljust(40) + "".join(f"{c:>15}" for c in cols)]
-    sync = "weight-sync buffers"  # the last row before the total
-    for r in [*dict.fromkeys(r for rows in cols.values() for r in rows if r != sync), sync, "total"]:
-        out.append(f"    {r}{' *' * (r.startswith('activations') and r != off)}".ljust(40) + "".join(
-            f"{(totals[c] if r == 'total' else rows[r]) / u:>15.1f}" if r in rows or r == "total" else f"{'-':>15}"
-            for c, rows in cols.items()))
-    kv, vllm = cols[list(cols)[-1]]["KV cache"], world > 1 and cfg.engine == "vllm"
-    one_bucket = cfg.engine == "vllm" or cfg.off_policy == "ppo"
-    return out + [
-        "    verdict".ljust(40) + "".join(f"{'fits' if f else 'does not fit':>15}" for f in fits),
-        f"  * counted (--act_ckpt={ckpt}); micro-batches of {max(cfg.micro_batch_tokens, seq):,} tokens" + (
-            f"\n    (--micro_batch_tokens={cfg.micro_batch_tokens:,} holds no full sequence: a longer one is a "
-            "micro-batch of its own)" if cfg.micro_batch_tokens < seq else ""),
-        f"  KV cache {full / u:.2f} {unit} per full-length sequence: " + (
-            f"a generator's holds {kv / full:.0f} (vLLM's share less its weights) of its {flight}\n    completions in "
-            "flight; vLLM pages the cache, queues the rest" if vllm else f"each engine allocates --slots={cfg.slots}"),
-        "  weight sync: " + (f"{cfg.sync_bucket_mb:,} MB buckets, two on trainer 0 (one packed, one in flight); a "
-                              "generator " + ("receives one at a time,\n    into a buffer vLLM's engine core "
-                                              "shares; one reload of its weights per version" if cfg.engine == "vllm"
-                                              else "receives one at a time" if one_bucket
-                                              else "receives them into its engine's parameters")
-                              if world > 1 else "the engines load the gathered weights")] + ([
-            f"  vLLM's share {vllm_share(cfg, shape) / GB:.1f} GB (--gpu_memory_utilization={cfg.gpu_memory_utilization}"
-            f", less where the rows beside it need more); beside it\n    "
-            f"{sum(vllm_offshare_rows(cfg, shape).values()) / GB:.2f} GB (each a row below the KV cache), "
-            f"{GPU_GB - totals['generators'] / GB:.2f} GB of {GPU_GB} to spare"] if vllm else [])
+    if timeout < MARGIN * longest:
+        return g, timeout, (f"--dist_timeout={timeout:.0f} s is shorter than {MARGIN} x {what}: estimated "
+                            f"{longest:,.0f} s on {len(trainers)} trainer and {len(gens)} generator GPUs; give it at "
+                            f"least {MARGIN * longest:,.0f}")
+    if t["evaluation"] > cycle:
+        return g, timeout, (f"a held-out evaluation (estimated {t['evaluation']:,.0f} s with --eval_share="
+                            f"{cfg.eval_share} of {len(gens)} generators' slots) outlasts --eval_every={cfg.eval_every}"
+                            f" steps ({cycle:,.0f} s): evaluations would queue up; raise --eval_share or --eval_every, "
+                            "or lower --eval_prompts")
+    return g, timeout, None
 
 
 def plan(cfg):
@@ -297,38 +239,63 @@ def plan(cfg):
     world = cfg.plan_gpus or int(os.environ.get("WORLD_SIZE", 0)) or (1 if cfg.model == "tiny" else 80)
     # the split and time-out the run takes (infra.run.start): --gen_share's split, or fewer generators where its trainer
     # ranks do not fit; --dist_timeout=0: from the time estimates
-    g = None
-    if world > 1 and shape is not None:
-        g, timeout, _ = settle(cfg, world)
-        cfg = replace(cfg, dist_timeout=timeout)
+    g, problem = 0, None
     try:
-        trainers, gens = dist.roles(world, g or cfg.gen_ranks, cfg.gen_share) if world > 1 else ([0], [])
+        if world > 1:
+            g, timeout, problem = settle(cfg, world)
+            cfg = replace(cfg, dist_timeout=timeout)
+        trainers, gens = dist.roles(world, g, cfg.gen_share) if world > 1 else ([0], [])
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)
-    T, G_ = len(trainers), max(len(gens), 1)
-    seq = seq_len(cfg)
-    BG = cfg.batch_prompts * cfg.group_size
+        fail(str(e))
+    T, G, seq, BG = len(trainers), max(len(gens), 1), seq_len(cfg), cfg.batch_prompts * cfg.group_size
     out = [f"plan for --model={cfg.model} on {world} GPU(s): trainer ranks {trainers[0]}-{trainers[-1]} "
            f"({T}, FSDP2{' over ' + str(T) if T > 1 else ' off'}), generator ranks "
            f"{f'{gens[0]}-{gens[-1]} ({len(gens)}, engine {cfg.engine})' if gens else 'none (one process does both)'}",
            f"  steps {cfg.max_steps} x {cfg.batch_prompts} prompts x {cfg.group_size} completions = {BG} completions "
            f"per step, {cfg.max_steps * cfg.batch_prompts:,} prompts drawn from --task={cfg.task}",
            f"  sequence <= {seq:,} tokens ({cfg.max_prompt} prompt + {cfg.think_min}-{cfg.think_max} thinking, then "
-           f"the "
-           f"interruption + {cfg.answer_budget} answer); <= {BG * seq / 1e6:.1f}M tokens per step",
+           f"the interruption + {cfg.answer_budget} answer); <= {BG * seq / 1e6:.1f}M tokens per step",
            f"  {cfg.loss}, {'PipelineRL' if cfg.off_policy == 'pipeline' else 'PPO-off-policy'}-{cfg.max_lag}, "
            f"lr {cfg.lr:g} ({cfg.warmup_steps} warm-up), eps {cfg.adam_eps:g}, body {cfg.dtype}, head "
            f"{'fp32' if cfg.fp32_head else cfg.dtype}; eval every {cfg.eval_every} steps on {cfg.eval_prompts} "
            f"prompts x {cfg.eval_samples}"]
     if shape is None:
         return "\n".join(out + [f"  memory: shape of {cfg.model} unknown offline (cache its config.json to see it)"])
-    L, H, I, nq, nkv, hd, V, tied = shape
-    flight = min(cfg.slots, -(-(cfg.max_lag + 1) * BG // G_))  # completions one generator may hold at once
-    P = sizes(cfg, shape)[0]
+    (L, H, I, nq, nkv, hd, V, tied), (P, _, _, _, _, kv) = shape, sizes(cfg, shape)
+    t, cols = timing(cfg, shape, world, T, G), columns(cfg, shape, world, T, seq)
     out.append(f"  model {P / 1e9:.2f}B parameters ({L} layers, hidden {H}, {nq}/{nkv} q/kv heads "
                f"x {hd}, vocab {V:,}{', tied' if tied else ''})")
-    out += memory_lines(cfg, shape, world, T, seq, flight)
+    # the table: a row per use, a column per role, the total and the verdict at GPU_GB; then what it assumes
+    full = kv * seq  # a full-length sequence's KV cache
+    off = "activations, act_ckpt " + ("off" if cfg.act_ckpt else "on")  # shown, not counted
+    totals = {c: counted(cfg, rows) for c, rows in cols.items()}
+    # an engine holds at least one full-length sequence
+    fits = [totals[c] <= GPU_GB * GB and rows.get("KV cache", full) >= full for c, rows in cols.items()]
+    unit, u = ("GB", GB) if max(totals.values()) >= GB else ("MB", 1e6)
+    out.append(f"  memory per GPU, {unit} ({GPU_GB} GB each)".ljust(40) + "".join(f"{c:>15}" for c in cols))
+    for r in [*dict.fromkeys(r for rows in cols.values() for r in rows if r != SYNC), SYNC, "total"]:
+        out.append(f"    {r}{' *' * (r.startswith('activations') and r != off)}".ljust(40) + "".join(
+            f"{(totals[c] if r == 'total' else rows[r]) / u:>15.1f}" if r in rows or r == "total" else f"{'-':>15}"
+            for c, rows in cols.items()))
+    out.append("    verdict".ljust(40) + "".join(f"{'fits' if f else 'does not fit':>15}" for f in fits))
+    out.append(f"  * counted (--act_ckpt={cfg.act_ckpt}); micro-batches of {max(cfg.micro_batch_tokens, seq):,} tokens"
+               + (f"\n    (--micro_batch_tokens={cfg.micro_batch_tokens:,} holds no full sequence: a longer one is a "
+                  "micro-batch of its own)" if cfg.micro_batch_tokens < seq else ""))
+    vllm = world > 1 and cfg.engine == "vllm"
+    out.append(f"  KV cache {full / u:.2f} {unit} per full-length sequence: " + (
+        f"a generator's holds {cols['generators']['KV cache'] / full:.0f} (vLLM's share less its weights) of its "
+        f"{t['flight']}\n    completions in flight; vLLM pages the cache, queues the rest" if vllm
+        else f"each engine allocates --slots={cfg.slots}"))
+    receive = ("receives one at a time,\n    into a buffer vLLM's engine core shares; one reload of its weights per "
+               "version" if cfg.engine == "vllm" else "receives one at a time" if cfg.off_policy == "ppo"
+               else "receives them into its engine's parameters")
+    out.append("  weight sync: " + (f"{cfg.sync_bucket_mb:,} MB buckets, two on trainer 0 (one packed, one in flight); "
+                                    f"a generator {receive}" if world > 1 else "the engines load the gathered weights"))
+    if vllm:
+        out.append(f"  vLLM's share {vllm_share(cfg, shape) / GB:.1f} GB (--gpu_memory_utilization="
+                   f"{cfg.gpu_memory_utilization}, less where the rows beside it need more); beside it\n    "
+                   f"{sum(vllm_offshare_rows(cfg, shape).values()) / GB:.2f} GB (each a row below the KV cache), "
+                   f"{GPU_GB - totals['generators'] / GB:.2f} GB of {GPU_GB} to spare")
     if world > 1:  # a preempted run finishes its step, then every trainer rank writes its shard (infra/rundir.py)
         out.append(f"  preemption: a checkpoint is {12 * P / 1e9:.0f} GB (fp32 weights and AdamW's m, v), "
                    f"{12 * P / T / 1e9:.1f} GB per trainer rank; give torchrun\n    --shutdown-timeout one step and "
@@ -337,7 +304,7 @@ def plan(cfg):
                    "torchrun itself)")
     if g and not cfg.gen_ranks and g != len(dist.roles(world, 0, cfg.gen_share)[1]):
         out.append(f"  generator ranks: {g}, not --gen_share's: the most whose trainer ranks fit {GPU_GB} GB GPUs")
-    elif world > 1 and not trainers_fit(cfg, shape, world, T, seq):
+    elif world > 1 and not all(fits[:-1]):  # a trainer column does not fit
         g = fitting_gen_ranks(replace(cfg, gen_ranks=0), world)
         out.append(f"  the trainer ranks do not fit: --gen_ranks={g} gives {world - g} trainer ranks, which do" if g
                    else "  the trainer ranks do not fit with any split of this world: more GPUs, or a smaller "
@@ -347,16 +314,16 @@ def plan(cfg):
         out.append(f"  interruption: vLLM resubmits the request with the phrase; after a weight update its up to {n:,} "
                    f"tokens are\n    prefilled again, about {2 * P * n / (BF16_FLOPS * MFU):.2f} s of a generator "
                    "each (counted: the engine's reprefill_tokens)")
-    t = timing(cfg, shape, world, T, G_, flight)
     out.append(f"  time (estimated: H100 peaks at {MFU:.0%} MFU, decoding at {BW_UTIL:.0%} of HBM bandwidth, mean "
                f"completion {MEAN_LEN:.0%} of the longest):\n    trainer step {t['step']:,.0f} s, of which the "
-               f"{'FP32' if cfg.fp32_head else 'LM'} head {t['head']:,.0f} s ({t['head'] / t['step']:.0%} of the step's time)")
+               f"{'FP32' if cfg.fp32_head else 'LM'} head {t['head']:,.0f} s ({t['head'] / t['step']:.0%} of the "
+               "step's time)")
     if world > 1:
-        problem = timeout_problem(cfg, shape, world, T, G_, flight)
-        out += [f"    generation {t['generation']:,.0f} s a step over {G_} generators, first group {t['first_group']:,.0f} s, "
-                f"held-out evaluation {t['evaluation']:,.0f} s\n    (--eval_share={cfg.eval_share} of the slots, "
-                f"interleaved with rollouts; every {cfg.eval_every} steps = {cfg.eval_every * max(t['step'], t['generation']):,.0f} s)",
+        out += [f"    generation {t['generation']:,.0f} s a step over {G} generators, first group "
+                f"{t['first_group']:,.0f} s, held-out evaluation {t['evaluation']:,.0f} s\n    (--eval_share="
+                f"{cfg.eval_share} of the slots, interleaved with rollouts; every {cfg.eval_every} steps = "
+                f"{cfg.eval_every * max(t['step'], t['generation']):,.0f} s)",
                 f"  time-outs: --dist_timeout={cfg.dist_timeout:,.0f} s " + (
-                    f"refused at start: {problem}" if problem else
-                    f"covers {MARGIN} x the longest work a wait covers ({max(t['step'], t['generation'], t['first_group']):,.0f} s)")]
+                    f"refused at start: {problem}" if problem else f"covers {MARGIN} x the longest work a wait covers "
+                    f"({max(t['step'], t['generation'], t['first_group']):,.0f} s)")]
     return "\n".join(out)

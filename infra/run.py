@@ -68,22 +68,22 @@ def start(cfg):
         rundir.check_run_dir(cfg)
     ckpt = rundir.load_checkpoint(ckpt_path) if cfg.resume and rank0 else None
     world = int(os.environ.get("WORLD_SIZE", 1))
-    if rank0 and world > 1 and torch.cuda.is_available():
-        # as --dry_run plans it: --gen_share's split, or fewer generator ranks where its trainer ranks would not fit
-        # these GPUs; --dist_timeout=0 from the time estimates; time-outs shorter than the work they wait for refused
-        from infra.plan import settle
-        gb = torch.cuda.get_device_properties(0).total_memory / 1e9
-        g, cfg.dist_timeout, problem = settle(cfg, world, gb)
-        if problem:
-            fail(problem)
-        if g and not cfg.gen_ranks and g != len(dist.roles(world, 0, cfg.gen_share)[1]):
-            cfg.gen_ranks = g
-            print(f"generator ranks: {g} of {world}, not --gen_share's {cfg.gen_share}: the most whose trainer ranks "
-                  f"fit {gb:.0f} GB GPUs (see --dry_run)")
-    cfg.dist_timeout = cfg.dist_timeout or 1800.0  # 0 on the CPU: no estimate
     try:
+        if rank0 and world > 1 and torch.cuda.is_available():
+            # as --dry_run plans it: --gen_share's split, or fewer generators where its trainer ranks would not fit
+            # these GPUs; --dist_timeout=0 from the estimates; time-outs shorter than the work they wait for refused
+            from infra.plan import settle
+            gb = torch.cuda.get_device_properties(0).total_memory / 1e9
+            g, cfg.dist_timeout, problem = settle(cfg, world, gb)
+            if problem:
+                fail(problem)
+            if g and not cfg.gen_ranks and g != len(dist.roles(world, 0, cfg.gen_share)[1]):
+                cfg.gen_ranks = g
+                print(f"generator ranks: {g} of {world}, not --gen_share's {cfg.gen_share}: the most whose trainer "
+                      f"ranks fit {gb:.0f} GB GPUs (see --dry_run)")
+        cfg.dist_timeout = cfg.dist_timeout or 1800.0  # 0 on the CPU: no estimate
         job = dist.dist_init(cfg.gen_ranks, cfg.dist_timeout, cfg.gen_share)
-    except ValueError as e:
+    except ValueError as e:  # a split that leaves no trainer rank
         fail(str(e))
     if ckpt and (ckpt.get("world", 1), ckpt.get("generators", [])) != (job.world, job.generators):
         fail(f"checkpoint {ckpt_path} was written by {ckpt.get('world', 1)} process(es) with generator ranks "
@@ -308,10 +308,8 @@ def finish(cfg, job, step, bad_run, stop, saved, source, evaluate, policy, opt, 
     source.close()
     # under torchrun: summed over the generator ranks
     log.took["generation"] = source.totals()["gen_s"]
-    if not stop:
-        if job.rank == 0:
-            print(f"policy at step {step} written to {rundir.export_hf(cfg, model, tok, final)} (from_pretrained, "
-                  "vLLM)")
+    if not stop and job.rank == 0:
+        print(f"policy at step {step} written to {rundir.export_hf(cfg, model, tok, final)} (from_pretrained, vLLM)")
     dist.dist_cleanup(job)
     if stop:
         print0(f"stopped by {stop} at step {step}; checkpoint in {cfg.out_dir}: continue with --resume", flush=True)

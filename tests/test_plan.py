@@ -190,3 +190,10 @@ def test_the_interruptions_prefill_is_planned():
     assert "up to 14,336 tokens are\n    prefilled again" in plan("--config=8b")
     assert "interruption: vLLM" not in plan("--config=8b", "--interrupt=false")
     assert "interruption: vLLM" not in plan()  # the PyTorch engine writes the phrase into its KV cache
+
+
+def test_a_split_that_leaves_no_trainer_is_one_line(capsys):
+    """--gen_ranks as large as the planned world: the plan says so in one line and exits 2, no traceback."""
+    with pytest.raises(SystemExit) as e:
+        plan("--config=8b", "--plan_gpus=2", "--gen_ranks=5")
+    assert e.value.code == 2 and "--gen_ranks=5 leaves no trainer rank in a world of 2" in capsys.readouterr().err
