@@ -153,8 +153,8 @@ def train_step(policy, opt, groups, cfg, step, comm=None):
                                   torch.tensor([s.group for s in samples], dtype=torch.long), norm=cfg.adv_norm)
     # every group zero-variance: no signal, no update (AdamW's weight decay alone would still move the weights)
     if not adv.any():
-        return dict(dict.fromkeys(METRICS, 0.0), ratio_mean=1.0, ratio_max=1.0, fresh_mismatch=None, n_tokens=0,
-                    finite=True, lr=lr)
+        return dict(dict.fromkeys(METRICS, 0.0), loss=0.0, ratio_mean=1.0, ratio_max=1.0, fresh_mismatch=None,
+                    n_tokens=0, finite=True, lr=lr)
     rank, world = (comm.rank, comm.size) if comm else (0, 1)
     with comm.guard("gradients") if comm else contextlib.nullcontext():
         loss, sums, ratio_max = policy_gradient(policy, samples, adv, cfg, rank, world, version=step)

@@ -150,6 +150,7 @@ def test_a_batch_without_signal_makes_no_update():
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2, weight_decay=0.1)
     stats = trainer.train_step(policy, opt, groups, scalerl.Config(zero_var_filter=False, warmup_steps=0), 5)
     assert stats["n_tokens"] == 0 and not opt.state
+    assert set(stats) == {"loss", "n_tokens", "finite", "lr", *trainer.METRICS}  # the row a trained step logs
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 def test_a_step_logs_the_mechanism_its_trust_region_acts_on():
@@ -169,6 +170,7 @@ def test_a_step_logs_the_mechanism_its_trust_region_acts_on():
     adv = losses.group_advantages(torch.tensor([s.reward for s in samples]), torch.tensor([s.group for s in samples]))
     a, rho = adv[:, None].expand_as(gap)[m], gap[m].exp()
     stats = trainer.train_step(policy, torch.optim.AdamW(policy.parameters(), lr=0.0), groups, cfg, 4)
+    assert set(stats) == {"loss", "n_tokens", "finite", "lr", *trainer.METRICS}
     assert stats["logratio_sd"] == pytest.approx(gap[m].std(correction=0).item(), rel=1e-4)
     assert stats["mismatch_kl"] == pytest.approx(-gap[m].mean().item(), rel=1e-4)
     assert stats["fresh_mismatch"] == pytest.approx(gap[fresh].abs().mean().item(), rel=1e-4)
