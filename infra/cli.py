@@ -65,8 +65,7 @@ def parse_args(argv, config_cls, presets):
     if extra and not extra[0].startswith("--"):
         fail(f"unexpected argument {extra[0]!r}; options look like --key=value (see --help)")
     if extra:
-        key = extra[0][2:].partition("=")[0]
-        near = difflib.get_close_matches(key, kinds, n=1)
+        near = difflib.get_close_matches(key := extra[0][2:].partition("=")[0], kinds, n=1)
         fail(f"unknown option --{key}" + (f"; did you mean --{near[0]}?" if near else "; see --help"))
     cfg = config_cls(**{**presets[base], **over})
     saved = os.path.join(cfg.out_dir, "config.json")
@@ -78,44 +77,30 @@ def parse_args(argv, config_cls, presets):
 
 
 def boolean(text):
-    """A bool option's value: 1/0, true/false, yes/no, any case."""
-    if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
-        raise ValueError(text)
-    return text.lower() in ("1", "true", "yes")
-
-
-def comments(config_cls):
-    """{field: (section, comment)} from the class source: a field's trailing comment and the comment-only lines
-    indented under it; a comment-only line at the fields' own indent starts a section."""
-    names, out, section, field, indent = typing.get_type_hints(config_cls), {}, "", None, 0
-    for line in inspect.getsource(config_cls).splitlines():
-        code, _, comment = line.partition("#")
-        name, at, comment = code.partition(":")[0].strip(), len(line) - len(line.lstrip()), comment.strip()
-        if name in names:
-            field, indent, out[name] = name, at, (section, comment)
-        elif not code.strip() and field and at > indent:
-            out[field] = (section, f"{out[field][1]} {comment}".strip())
-        elif not code.strip() and comment:
-            section, field = comment, None
-    return out
+    """A bool option's value: 1/0, true/false, yes/no, any case (another word is a ValueError argparse reports)."""
+    return ("0", "false", "no", "1", "true", "yes").index(text.lower()) > 2
 
 
 def help_text(config_cls, presets, base, model):
-    """--help: the presets, then each option's default (preset `base`'s, and --model) and comment, by section."""
-    start, docs, section = {**presets[base], "model": model}, comments(config_cls), None
-    lines = ["usage: python scalerl.py [--config NAME] [--key=value ...]  (the same under torchrun)", "",
-             textwrap.fill(f"presets (--config NAME): {', '.join(presets)}; a --model other than tiny starts from "
-                           "'hub'", 120), "",
-             f"options (--key=value; default from preset '{base}', then meaning), by section:"]
-    for f in fields(config_cls):
-        if docs[f.name][0] != section:
-            section = docs[f.name][0]
-            lines += ["", f"# {section}"]
-        default = start.get(f.name, f.default)
-        default = json.dumps(default) if isinstance(default, str) else default
-        lines.append(textwrap.fill(f"  --{f.name}={default}".ljust(35) + " " + docs[f.name][1], 120,
-                                   subsequent_indent=" " * 36))
-    return "\n".join(lines) + "\n"
+    """--help: the presets, then each option's default (preset `base`'s, and --model) and comment, by section. From
+    the class source: a field's trailing comment, continued by the comment-only lines indented under it; a
+    comment-only line at the fields' own indent starts a section."""
+    start, names, options = {**presets[base], "model": model}, {f.name for f in fields(config_cls)}, []
+    for line in textwrap.dedent(inspect.getsource(config_cls)).splitlines():
+        code, _, comment = (part.strip() for part in line.partition("#"))
+        if (name := code.partition(":")[0]) in names:
+            default = start.get(name, getattr(config_cls, name))
+            options.append([f"  --{name}={json.dumps(default) if isinstance(default, str) else default}", comment])
+        elif comment and not code and line.startswith(" " * 5):
+            options[-1][1] += " " + comment
+        elif comment and not code:
+            options += [[""], [f"# {comment}"]]
+    return "\n".join(["usage: python scalerl.py [--config NAME] [--key=value ...]  (the same under torchrun)", "",
+                      textwrap.fill(f"presets (--config NAME): {', '.join(presets)}; a --model other than tiny starts "
+                                    "from 'hub'", 120), "",
+                      f"options (--key=value; default from preset '{base}', then meaning), by section:"] +
+                     [textwrap.fill(f"{o[0]:35} {o[1]}", 120, subsequent_indent=" " * 36) if len(o) > 1 else o[0]
+                      for o in options]) + "\n"
 
 
 def restore_options(cfg, path, given):

@@ -28,45 +28,41 @@ import time
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_leaves
 
 import data
 from infra import dist, fail, first_line, print0
 from infra.sandbox import sandbox_description
 
-# run directory -> this process's open out_dir/.lock (closing it would release the lock)
-HELD = {}
+# the run directories this process holds: their lock's descriptor stays open (never closed) until it exits
+HELD = set()
 
 
-def lock_run_dir(out_dir, hold=True):
-    """Takes out_dir/.lock for as long as this process lives, writing our pid into it; hold=False only tries an
+def lock_run_dir(out_dir, probe=False):
+    """Takes out_dir/.lock for as long as this process lives, writing our pid into it; probe=True only tries an
     existing one and lets it go. A live run holding it stops this one with one line naming its pid."""
     path = os.path.join(out_dir, ".lock")
-    if os.path.realpath(out_dir) in HELD or not (hold or os.path.exists(path)):
+    if os.path.realpath(out_dir) in HELD or probe and not os.path.exists(path):
         return
     os.makedirs(out_dir, exist_ok=True)
-    f = open(path, "a+" if hold else "r")
+    fd = os.open(path, os.O_RDONLY if probe else os.O_RDWR | os.O_CREAT)
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        # the holder writes its pid just after it takes the lock
-        for _ in range(40):
-            if holder := pathlib.Path(path).read_text().strip():
-                break
-            time.sleep(0.05)
-        fail(f"run directory {out_dir} is in use by a live run (pid {holder}); wait for it or stop it, or pick another "
-             "--out_dir")
-    if not hold:
-        return f.close()
-    f.truncate(0)
-    f.write(str(os.getpid()))
-    f.flush()
-    HELD[os.path.realpath(out_dir)] = f
+        time.sleep(0.5)  # the holder writes its pid just after it takes the lock
+        fail(f"run directory {out_dir} is in use by a live run (pid {pathlib.Path(path).read_text().strip()}); wait "
+             "for it or stop it, or pick another --out_dir")
+    if probe:
+        return os.close(fd)
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    HELD.add(os.path.realpath(out_dir))
 
 
 def check_run_dir(cfg):
     """A fresh start refuses a directory that holds a run (a checkpoint, or logged steps); --resume needs ckpt.pt. A
     live run's directory and one that cannot be written are refused too, all before anything is written or said."""
-    lock_run_dir(cfg.out_dir, hold=False)
+    lock_run_dir(cfg.out_dir, probe=True)
     # the folder, or the first one above it that exists (a fresh run makes it)
     here = os.path.abspath(cfg.out_dir)
     while not os.path.exists(here):
@@ -75,21 +71,18 @@ def check_run_dir(cfg):
         fail(f"cannot write run directory {cfg.out_dir}: {here} is read-only or not ours; pick a writable --out_dir")
     ckpt = os.path.join(cfg.out_dir, "ckpt.pt")
     trained = any(r["step"] > 0 for r in read_metrics(os.path.join(cfg.out_dir, "metrics.jsonl")))
-    if not cfg.resume and (trained or os.path.exists(ckpt) and checkpoint_step(ckpt) > 0):
+    # a start that failed after its step-0 checkpoint (a torchrun rank that could not build its engine) holds nothing
+    # to continue; the step is read memory-mapped, and an unreadable checkpoint is a run (--resume says what is wrong)
+    try:
+        step = os.path.exists(ckpt) and torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)["step"]
+    except Exception:  # noqa: BLE001
+        step = 1
+    if not cfg.resume and (trained or step):
         fail(f"run directory {cfg.out_dir} already holds a run; pass --resume to continue it, pick another --out_dir, "
              f"or delete {cfg.out_dir} to start afresh")
     if cfg.resume and not os.path.exists(ckpt):
         hint = f" (delete {cfg.out_dir}: its rows cannot be continued)" if trained else ""
         fail(f"--resume: no checkpoint at {ckpt}{hint}; start a fresh run without --resume")
-
-
-def checkpoint_step(path):
-    """The step of checkpoint `path` (memory-mapped: nothing else is read), or 1 if unreadable. A start that failed
-    after its step-0 checkpoint (a torchrun rank that could not build its engine) holds nothing to continue."""
-    try:
-        return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"])
-    except Exception:  # noqa: BLE001 -- unreadable or foreign: a run to keep, and --resume says what is wrong
-        return 1
 
 
 def write_failed(path, error, nbytes=0):
@@ -120,10 +113,8 @@ def write_atomic(path, write, nbytes=0):
 
 
 def tensor_bytes(obj):
-    """Bytes of the tensors in a nest of dicts and lists: what saving it needs, roughly."""
-    if isinstance(obj, (dict, list, tuple)):
-        return sum(map(tensor_bytes, obj.values() if isinstance(obj, dict) else obj))
-    return obj.nbytes if torch.is_tensor(obj) else 0
+    """Bytes of the tensors in a nest of dicts, lists and tuples: what saving it needs, roughly."""
+    return sum(t.nbytes for t in tree_leaves(obj) if torch.is_tensor(t))
 
 
 def export_hf(cfg, model, tok, weights):
@@ -280,12 +271,8 @@ def load_weights(model, ckpt, out_dir):
 
 
 def read_metrics(path):
-    """The rows of an existing log (a torn last line from a kill mid-write is dropped)."""
-    rows = []
-    with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
-        for line in open(path):
-            rows.append(json.loads(line))
-    return rows
+    """The rows of an existing log, less a torn last line (a kill mid-write leaves it without its newline)."""
+    return [json.loads(line) for line in open(path) if line.endswith("\n")] if os.path.exists(path) else []
 
 
 def per_task(row, key, tasks):
