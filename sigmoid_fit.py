@@ -114,15 +114,13 @@ def fit_sigmoid(C, R, R0, c_min=None, c_max=None, paper_grid=False, n_boot=100, 
         if dl < 1e-4:
             break
     lo, hi = [R0, B_BOUNDS[0], min(l_vals.min(), L)], [1.0, B_BOUNDS[1], max(l_vals.max(), L)]
-    def curve_jac(p):
-        s = expit(p[1] * (logc - p[2]))
-        ds = (p[0] - R0) * s * (1 - s)
-        return R0 + (p[0] - R0) * s, np.stack([s, ds * (logc - p[2]), -ds * p[1]], axis=1)
+    def curve(p):
+        return R0 + (p[0] - R0) * expit(p[1] * (logc - p[2]))
     # Residual bootstrap: least squares in p = (A, B, log C_mid) on the fitted curve plus resampled residuals.
     def refit(y):
         p0 = np.clip([A, B, L], np.add(lo, 1e-9), np.subtract(hi, 1e-9))
-        return least_squares(lambda p: curve_jac(p)[0] - y, p0, bounds=(lo, hi), jac=lambda p: curve_jac(p)[1]).x
-    fitted, rng = curve_jac([A, B, L])[0], np.random.default_rng(seed)
+        return least_squares(lambda p: curve(p) - y, p0, bounds=(lo, hi)).x
+    fitted, rng = curve([A, B, L]), np.random.default_rng(seed)
     a = [A] if fix_A is not None else [refit(fitted + rng.choice(R - fitted, size=R.size))[0] for _ in range(n_boot)]
     a_std, a_ci = (float(np.std(a)), tuple(np.percentile(a, [5, 95]).tolist())) if a else (np.nan, (np.nan, np.nan))
     return SigmoidFit(float(A), float(B), float(np.exp(L)), float(R0), float(sse), float(np.sqrt(sse / len(C))),
@@ -175,7 +173,7 @@ def plot_runs(runs, path, power_law=False, fit_until=None, xlabel="compute (devi
     # No pyplot: draws headless and leaves the caller's backend alone.
     from matplotlib.figure import Figure
     from matplotlib.ticker import LogFormatterSciNotation, LogLocator, NullFormatter
-    fig = Figure(figsize=(7, 4.5))
+    fig = Figure(figsize=(7, 4.5), layout="tight")
     ax = fig.subplots()
     for i, run in enumerate(runs):
         color, C, R = f"C{i}", np.asarray(run["C"], dtype=float), np.asarray(run["R"], dtype=float)
@@ -204,7 +202,6 @@ def plot_runs(runs, path, power_law=False, fit_until=None, xlabel="compute (devi
         ax.xaxis.set_major_formatter(LogFormatterSciNotation(labelOnlyBase=False, minor_thresholds=(np.inf, np.inf)))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
     return fig
 
