@@ -73,6 +73,7 @@ def _grid_search(a_vals, logcm_vals, logc, R, R0, n_grid=25):
     """Every (A, C_mid) pair of the two grids with its least-squares B, all cells at once: a coarse log-grid of B
     brackets the minimum, scipy's elementwise minimizer narrows it. Returns (A, B, log C_mid, sse) of the best cell."""
     A, L = (m.ravel() for m in np.meshgrid(a_vals, logcm_vals, indexing="ij"))
+    # Elementwise over cells (gain A - R0, log C_mid as arguments): find_minimum passes only the cells still searching.
     def sse(logb, gain, logcm):
         return ((R0 + gain[..., None] * expit(np.exp(logb)[..., None] * (logc - logcm[..., None])) - R) ** 2).sum(-1)
     grid = np.linspace(np.log(B_BOUNDS[0]), np.log(B_BOUNDS[1]), n_grid)
