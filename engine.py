@@ -85,7 +85,6 @@ class Engine:
         self.budget_rng.setstate(state["budget_rng"])
 
     def _start(self, template):
-        """A new completion of `template`, its thinking budget drawn."""
         s = Sample(template.prompt_id, template.group, template.prompt_tokens, meta=template.meta)
         return Running(s, left=self.budget_rng.randint(*self.think_budget))
 
@@ -98,7 +97,7 @@ class Engine:
         self.stats["tokens"] += len(tokens)
 
     def _take(self, run, token, logp, version=None):
-        """Record a sampled token; the stop rules: "done" (EOS, budget out), "interrupt", or None."""
+        """Record a sampled token; the stop rules: "done" (EOS, budget out), "interrupt" (phrase inserted), or None."""
         self._record(run.sample, [token], [logp], False, version)
         run.left -= 1
         if token == self.eos_id:
@@ -107,16 +106,14 @@ class Engine:
             run.thinking, run.left = False, self.answer_budget
         elif run.left <= 0:
             if run.thinking and self.interrupt_ids is not None:
+                # the interruption phrase as forced tokens, no loss (App. A.10); the answer budget follows
+                self._record(run.sample, list(self.interrupt_ids), [0.0] * len(self.interrupt_ids), True)
+                run.sample.interrupted, run.thinking, run.left = True, False, self.answer_budget
                 return "interrupt"
             # the answer budget ran out, or thinking did with the interruption off
             run.sample.truncated = True
             return "done"
         return None
-
-    def _force_phrase(self, run):
-        """The interruption phrase as forced tokens, no loss (App. A.10); the answer budget follows."""
-        self._record(run.sample, list(self.interrupt_ids), [0.0] * len(self.interrupt_ids), True)
-        run.sample.interrupted, run.thinking, run.left = True, False, self.answer_budget
 
     def _finish(self, sample, done):
         """Count `sample` in its group; with the group's last completion the whole group goes to `done`."""
@@ -337,7 +334,6 @@ class TorchEngine(Engine):
             run = self.slots[i]
             what = self._take(run, token, logp)
             if what == "interrupt":
-                self._force_phrase(run)
                 forced.append(i)
             elif what == "done":
                 self.slots[i] = None

@@ -21,6 +21,7 @@ import sys
 
 import numpy as np
 from scipy.optimize import least_squares, minimize_scalar
+from scipy.optimize.elementwise import find_minimum
 from scipy.special import expit
 
 # The paper's grid (App. A): C_mid in GPU-hours, evenly spaced (the paper does not say). Ours: A in [R0, 1], B_BOUNDS.
@@ -68,29 +69,22 @@ def _window(C, R, c_min, c_max):
     return C[keep], R[keep]
 
 
-def _grid_search(a_vals, logcm_vals, logc, R, R0, n_grid=25, n_golden=20):
+def _grid_search(a_vals, logcm_vals, logc, R, R0, n_grid=25):
     """Every (A, C_mid) pair of the two grids with its least-squares B, all cells at once: a coarse log-grid of B
-    brackets the minimum, golden-section search narrows it. Returns (A, B, log C_mid, sse) of the best cell."""
+    brackets the minimum, scipy's elementwise minimizer narrows it. Returns (A, B, log C_mid, sse) of the best cell."""
     A, L = (m.ravel() for m in np.meshgrid(a_vals, logcm_vals, indexing="ij"))
-    gain, d = (A - R0)[:, None], logc - L[:, None]
-    def sse(logb):
-        return ((R0 + gain * expit(np.exp(logb)[:, None] * d) - R) ** 2).sum(-1)
+    # Elementwise over cells (gain A - R0, log C_mid as arguments): find_minimum passes only the cells still searching.
+    def sse(logb, gain, logcm):
+        return ((R0 + gain[..., None] * expit(np.exp(logb)[..., None] * (logc - logcm[..., None])) - R) ** 2).sum(-1)
     grid = np.linspace(np.log(B_BOUNDS[0]), np.log(B_BOUNDS[1]), n_grid)
-    j = np.stack([sse(np.full(len(A), g)) for g in grid]).argmin(0)
-    lo, hi = grid[np.maximum(j - 1, 0)], grid[np.minimum(j + 1, n_grid - 1)]
-    g = (np.sqrt(5) - 1) / 2
-    x1, x2 = hi - g * (hi - lo), lo + g * (hi - lo)
-    f1, f2 = sse(x1), sse(x2)
-    # Each step keeps [lo, x2] (where f1 < f2) or [x1, hi], and its inner point: one new evaluation per step.
-    for _ in range(n_golden):
-        left = f1 < f2
-        hi, lo = np.where(left, x2, hi), np.where(left, lo, x1)
-        xn = np.where(left, hi - g * (hi - lo), lo + g * (hi - lo))
-        fn = sse(xn)
-        x1, x2, f1, f2 = np.where(left, [xn, x1, fn, f1], [x2, xn, f2, fn])
-    best = np.minimum(f1, f2)
-    i = best.argmin()
-    return A[i], np.exp(np.where(f1 < f2, x1, x2))[i], L[i], best[i]
+    on_grid = np.stack([sse(g, A - R0, L) for g in grid])
+    j = on_grid.argmin(0)
+    # The best grid point and its neighbours bracket the minimum; at a bound of B (no bracket) the grid point stays.
+    k = np.clip(j, 1, n_grid - 2)
+    res = find_minimum(sse, (grid[k - 1], grid[k], grid[k + 1]), args=(A - R0, L))
+    logb, err = np.where(res.success, res.x, grid[j]), np.where(res.success, res.f_x, on_grid.min(0))
+    i = err.argmin()
+    return A[i], np.exp(logb[i]), L[i], err[i]
 
 
 def fit_sigmoid(C, R, R0, c_min=None, c_max=None, paper_grid=False, n_boot=100, seed=0, fix_A=None):
@@ -121,21 +115,15 @@ def fit_sigmoid(C, R, R0, c_min=None, c_max=None, paper_grid=False, n_boot=100, 
         if dl < 1e-4:
             break
     lo, hi = [R0, B_BOUNDS[0], min(l_vals.min(), L)], [1.0, B_BOUNDS[1], max(l_vals.max(), L)]
-    def curve_jac(p):
-        s = expit(p[1] * (logc - p[2]))
-        ds = (p[0] - R0) * s * (1 - s)
-        return R0 + (p[0] - R0) * s, np.stack([s, ds * (logc - p[2]), -ds * p[1]], axis=1)
+    def curve(p):
+        return R0 + (p[0] - R0) * expit(p[1] * (logc - p[2]))
     # Residual bootstrap: least squares in p = (A, B, log C_mid) on the fitted curve plus resampled residuals.
     def refit(y):
         p0 = np.clip([A, B, L], np.add(lo, 1e-9), np.subtract(hi, 1e-9))
-        return least_squares(lambda p: curve_jac(p)[0] - y, p0, bounds=(lo, hi), jac=lambda p: curve_jac(p)[1]).x
-    a_std, a_ci = float("nan"), (float("nan"), float("nan"))
-    if fix_A is not None:
-        a_std, a_ci = 0.0, (float(fix_A), float(fix_A))
-    elif n_boot > 0:
-        fitted, rng = curve_jac([A, B, L])[0], np.random.default_rng(seed)
-        a = [refit(fitted + rng.choice(R - fitted, size=R.size))[0] for _ in range(n_boot)]
-        a_std, a_ci = float(np.std(a)), (float(np.percentile(a, 5)), float(np.percentile(a, 95)))
+        return least_squares(lambda p: curve(p) - y, p0, bounds=(lo, hi)).x
+    fitted, rng = curve([A, B, L]), np.random.default_rng(seed)
+    a = [A] if fix_A is not None else [refit(fitted + rng.choice(R - fitted, size=R.size))[0] for _ in range(n_boot)]
+    a_std, a_ci = (float(np.std(a)), tuple(np.percentile(a, [5, 95]).tolist())) if a else (np.nan, (np.nan, np.nan))
     return SigmoidFit(float(A), float(B), float(np.exp(L)), float(R0), float(sse), float(np.sqrt(sse / len(C))),
                       (float(C.min()), float(C.max())), len(C), a_std, a_ci)
 
@@ -186,7 +174,7 @@ def plot_runs(runs, path, power_law=False, fit_until=None, xlabel="compute (devi
     # No pyplot: draws headless and leaves the caller's backend alone.
     from matplotlib.figure import Figure
     from matplotlib.ticker import LogFormatterSciNotation, LogLocator, NullFormatter
-    fig = Figure(figsize=(7, 4.5))
+    fig = Figure(figsize=(7, 4.5), layout="tight")
     ax = fig.subplots()
     for i, run in enumerate(runs):
         color, C, R = f"C{i}", np.asarray(run["C"], dtype=float), np.asarray(run["R"], dtype=float)
@@ -215,7 +203,6 @@ def plot_runs(runs, path, power_law=False, fit_until=None, xlabel="compute (devi
         ax.xaxis.set_major_formatter(LogFormatterSciNotation(labelOnlyBase=False, minor_thresholds=(np.inf, np.inf)))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
     return fig
 

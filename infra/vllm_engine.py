@@ -353,7 +353,6 @@ class VLLMEngine(Engine):
                 del self.live[rid]
             # vLLM cannot append to a running request: an interrupted one is resubmitted with the phrase
             if what == "interrupt":
-                self._force_phrase(run)
                 self._submit(run, len(run.sample.prompt_tokens) + len(run.sample.tokens) - len(self.interrupt_ids))
             elif what:
                 self._finish(run.sample, done)
