@@ -114,8 +114,7 @@ def policy_gradient(policy, samples, adv, cfg, rank=0, world=1, version=-1):
         fresh[i, len(s.prompt_tokens) - 1:][:len(s.tokens)] = torch.tensor(s.versions) == version
     fresh *= tmask
     policy.train()
-    total, ratio_max = 0.0, 0.0
-    means = [k for k in losses.DIAGNOSTICS if k != "ratio_max"]
+    total, ratio_max, means = 0.0, 0.0, [k for k in losses.DIAGNOSTICS if k != "ratio_max"]
     sums = dict.fromkeys(("n_tokens", "fresh_tokens", "fresh_gap", *means), 0.0)
     for i in range(max(map(len, plans))):
         # FSDP2 ranks run the same number of passes: one with fewer adds a zero gradient
@@ -169,14 +168,13 @@ def train_step(policy, opt, groups, cfg, step, comm=None):
     if finite:
         opt.step()
     opt.zero_grad(set_to_none=True)
-    n, kl = sums["n_tokens"] or 1, sums["mismatch_kl"] / (sums["n_tokens"] or 1)
+    n = sums["n_tokens"] or 1
+    out = {k: sums[k] / n for k in ("clip_frac", "ratio_mean", "mismatch_kl", "dapo_clip_low", "dapo_clip_high")}
     # the spread of log(pi_train / pi_gen): what the trust region (clip or cap) acts on; the norm before clipping
-    return dict(loss=sums["loss"], **{k: sums[k] / n for k in ("clip_frac", "ratio_mean", "dapo_clip_low",
-                                                               "dapo_clip_high")},
-                mismatch_kl=kl, logratio_sd=max(sums["logratio_sq"] / n - kl * kl, 0.0) ** 0.5,
+    return dict(out, logratio_sd=max(sums["logratio_sq"] / n - out["mismatch_kl"] ** 2, 0.0) ** 0.5,
                 fresh_mismatch=sums["fresh_gap"] / sums["fresh_tokens"] if sums["fresh_tokens"] else None,
-                grad_norm=float(gnorm), ratio_max=maxes["ratio_max"], n_tokens=int(sums["n_tokens"]), finite=finite,
-                lr=lr)
+                grad_norm=float(gnorm), loss=sums["loss"], ratio_max=maxes["ratio_max"], n_tokens=int(sums["n_tokens"]),
+                finite=finite, lr=lr)
 
 
 def optimizer(cfg, policy):

@@ -306,6 +306,9 @@ class Log:
         Preemption.started = True
         if job.rank != 0:
             return
+        # the built-in task's ceiling: the share of held-out traces the thinking budget holds (printed with the fit)
+        self.bound = data.feasible_share(val, (cfg.think_min, cfg.think_max), lambda t: len(data.encode(tok, t))) \
+            if set(tasks) == {"arith"} else None
         lock_run_dir(cfg.out_dir)
         check_run_dir(cfg)
         self.path, meta_path = os.path.join(cfg.out_dir, "metrics.jsonl"), os.path.join(cfg.out_dir, "config.json")

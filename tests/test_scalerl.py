@@ -25,15 +25,16 @@ import time
 import pytest
 import torch
 
+import data
 import scalerl
 import trainer
-from infra import cli
+from infra import cli, sources
 from conftest import (TIMING, copy_run, one_line_error, read_jsonl, refused, run_base, run_command, scalerl_command,
                       tree_hashes)
 
 METRIC_NAMES = {"step", "device_hours", "policy_version", "reward", "loss", "clip_frac", "mismatch_kl", "lag_mean",
                 "lag_max", "dropped_stale", "trunc_rate", "zero_var_frac", "npr_removed", "gen_tok_s", "train_tok_s",
-                "dt"}
+                "dt", "logratio_sd", "dapo_clip_low", "dapo_clip_high", "grad_norm"}
 
 # ---------------------------------------------------------------------------------------------------------------------
 # 1. Config parsing (in-process)
@@ -261,9 +262,13 @@ def test_smoke_run_metrics(smoke_run):
         assert r["policy_version"] == r["step"]  # one published version per optimizer step
         assert -1 <= r["reward"] <= 1 and 0 <= r["trunc_rate"] <= 1 and 0 <= r["zero_var_frac"] <= 1
         assert r["dt"] > 0 and r["gen_tok_s"] > 0 and r["train_tok_s"] >= 0
+        assert r["fresh_mismatch"] is None or r["fresh_mismatch"] >= 0  # None: no token sampled by these weights
     want_evals = sorted({0, cfg.max_steps} | set(range(cfg.eval_every, cfg.max_steps + 1, cfg.eval_every)))
     assert [r["step"] for r in evals] == want_evals
     assert all(0 <= r["pass_rate"] <= 1 for r in evals)
+    # the built-in task's ceiling under the thinking budget, printed with the fit
+    bound = data.feasible_share(sources.load_data(cfg)[1], (cfg.think_min, cfg.think_max))
+    assert f"holds the error-free thinking of {bound:.3f} of the held-out problems" in p.stdout
 
     # the compute axis: 0 before RL, then the sum of the step times (one device), never decreasing
     assert rows[0]["step"] == 0 and "pass_rate" in rows[0] and rows[0]["device_hours"] == 0.0
