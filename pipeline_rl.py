@@ -18,8 +18,9 @@ import data
 from engine import Sample
 
 
-def first_line(e):
-    return (str(e).strip().splitlines() or [""])[0][:300]
+def warn(what, e, then=""):
+    """One line: what failed, the exception's type and first line (at most 300 characters), then what follows."""
+    print(f"warning: {what}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}{then}", flush=True)
 
 
 class Rollouts:
@@ -38,8 +39,7 @@ class Rollouts:
             return Sample(problem.id, group, ids, meta=problem)
         except Exception as e:  # noqa: BLE001 -- one malformed item must not end a long run
             self.bad_prompts.add(problem.id)
-            print(f"warning: skipped prompt {problem.id} ({str(problem.question)[:40]!r}): {type(e).__name__}: "
-                  f"{first_line(e)}", flush=True)
+            warn(f"skipped prompt {problem.id} ({str(problem.question)[:40]!r})", e)
 
     def next_template(self, group):
         for _ in range(1000):
@@ -57,8 +57,7 @@ class Rollouts:
         except Exception as e:  # noqa: BLE001 -- one bad item or verifier bug must not end a long run
             with self.lock:
                 self.reward_errors += 1
-                print(f"warning: reward failed on prompt {s.prompt_id} (completion {text[:40]!r}): "
-                      f"{type(e).__name__}: {first_line(e)}; counted as -1", flush=True)
+                warn(f"reward failed on prompt {s.prompt_id} (completion {text[:40]!r})", e, "; counted as -1")
             return -1.0
 
     def score(self, groups):
