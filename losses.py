@@ -45,10 +45,8 @@ def group_advantages(rewards, group, norm="batch", eps=1e-6):
 # ----------------------------------------------------------------------------- per-token losses (Sec. 3.2)
 def _per_token(adv, logp):
     """Advantages as (B, T): a (B,) sequence advantage is broadcast over its tokens."""
-    if adv.dim() == 1 and adv.shape[0] == logp.shape[0]:
-        return adv[:, None]
-    assert adv.shape == logp.shape, f"adv must be (B,) or (B, T) = {tuple(logp.shape)}; got {tuple(adv.shape)}"
-    return adv
+    assert adv.shape in (logp.shape[:1], logp.shape), ("adv must be (B,) or (B, T)", adv.shape, logp.shape)
+    return adv[:, None] if adv.shape == logp.shape[:1] else adv
 
 
 def cispo(logp, gen_logp, adv, eps_max=4.0):
@@ -85,15 +83,12 @@ def aggregation_weights(mask, group, how="prompt", dtype=None):
     assert mask.dim() == 2 and group.shape == mask.shape[:1], (mask.shape, group.shape)
     dtype = dtype or (mask.dtype if mask.is_floating_point() else torch.float32)
     m = mask.bool().to(dtype)  # (B, T)
-    n_tok = m.sum(-1)  # (B,) loss tokens per completion
-    if how == "token":  # DAPO: every token counts the same
-        return m / m.sum().clamp(min=1)
-    if how == "sample":  # GRPO: mean over completions of each completion's token mean
-        return m / n_tok.clamp(min=1)[:, None] / (n_tok > 0).sum().clamp(min=1)
-    # ScaleRL: mean over prompts of (sum of the prompt's token losses / T_p), T_p over all its completions
-    uniq, idx = torch.unique(group, return_inverse=True)
-    t_p = m.new_zeros(len(uniq)).index_add_(0, idx, n_tok)  # (n_prompts,)
-    return m / t_p[idx].clamp(min=1)[:, None] / (t_p > 0).sum().clamp(min=1)
+    # the mean over units of (sum of the unit's token losses / T_u, its loss tokens); a unit is a prompt with all its
+    # completions (ScaleRL), one completion (GRPO: "sample") or the whole batch (DAPO: every token counts the same)
+    unit = dict(prompt=group, sample=torch.arange(len(group), device=group.device), token=torch.zeros_like(group))[how]
+    uniq, idx = torch.unique(unit, return_inverse=True)
+    t_u = m.new_zeros(len(uniq)).index_add_(0, idx, m.sum(-1))  # (n_units,)
+    return m / t_u[idx].clamp(min=1)[:, None] / (t_u > 0).sum().clamp(min=1)
 
 
 def aggregate(per_token, mask, group, how="prompt"):

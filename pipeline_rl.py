@@ -10,17 +10,17 @@
 """
 from dataclasses import dataclass
 import random
+from statistics import fmean
 import threading
 import time
-
-import numpy as np
 
 import data
 from engine import Sample
 
 
-def first_line(e):
-    return (str(e).strip().splitlines() or [""])[0][:300]
+def warn(what, e, then=""):
+    """One line: what failed, the exception's type and first line (at most 300 characters), then what follows."""
+    print(f"warning: {what}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}{then}", flush=True)
 
 
 class Rollouts:
@@ -39,8 +39,7 @@ class Rollouts:
             return Sample(problem.id, group, ids, meta=problem)
         except Exception as e:  # noqa: BLE001 -- one malformed item must not end a long run
             self.bad_prompts.add(problem.id)
-            print(f"warning: skipped prompt {problem.id} ({str(problem.question)[:40]!r}): {type(e).__name__}: "
-                  f"{first_line(e)}", flush=True)
+            warn(f"skipped prompt {problem.id} ({str(problem.question)[:40]!r})", e)
 
     def next_template(self, group):
         for _ in range(1000):
@@ -58,8 +57,7 @@ class Rollouts:
         except Exception as e:  # noqa: BLE001 -- one bad item or verifier bug must not end a long run
             with self.lock:
                 self.reward_errors += 1
-                print(f"warning: reward failed on prompt {s.prompt_id} (completion {text[:40]!r}): "
-                      f"{type(e).__name__}: {first_line(e)}; counted as -1", flush=True)
+                warn(f"reward failed on prompt {s.prompt_id} (completion {text[:40]!r})", e, "; counted as -1")
             return -1.0
 
     def score(self, groups):
@@ -118,10 +116,9 @@ class PromptPool:
         self.groups_seen += 1
         # NPR (Sec. 3.2, choice): the latest pass rate decides; a later, lower one (a group in flight) brings it back
         self.history[prompt_id] = rate
+        self.removed.discard(prompt_id)
         if self.npr and rate >= self.npr_threshold:
             self.removed.add(prompt_id)
-        else:
-            self.removed.discard(prompt_id)
         dropped = self.zero_var and all(r == rewards[0] for r in rewards)
         self.zero_var_dropped += dropped
         return not dropped
@@ -243,30 +240,28 @@ class Scheduler(BatchSource):
             self.ready = self.engine.generate(templates, self.G)
         groups = self._collect(self.B, self._next_ready)
         # generation that overlaps this optimizer step, on the old weights
-        if self.mode == "pipeline":
-            self._run(self.decode_per_step)
+        for _ in range(self.decode_per_step if self.mode == "pipeline" else 0):
+            if not self._step():
+                break
         self.gen_s += time.time() - t
         self.rollouts.score(groups)
         return self._batch(groups, [g for g in groups if self.rollouts.keep(g)])
 
     def _next_ready(self, missing):
-        if self.mode == "pipeline" and len(self.ready) < missing:
-            self._run(need=missing)
+        while self.mode == "pipeline" and len(self.ready) < missing:
+            if not self._step():
+                raise RuntimeError("generator idle with no batch ready: the lag bound admits no new group")
         return self.ready.pop(0)
 
-    def _run(self, n_steps=None, need=0):
-        """Advance the engine n_steps (or until `need` groups are ready), admitting as the lag bound allows."""
-        i = 0
-        while (len(self.ready) < need) if n_steps is None else (i < n_steps):
-            while self.admitted < admission_limit(self.mode, self.version, self.k, self.B, self.dropped_stale):
-                self.engine.add(self.rollouts.next_template(self.admitted), self.G)
-                self.admitted += 1
-            if not self.engine.busy:
-                if n_steps is None:
-                    raise RuntimeError("generator idle with no batch ready: the lag bound admits no new group")
-                break
-            self.ready += self.engine.step()
-            i += 1
+    def _step(self):
+        """Admit the groups the lag bound allows, then one engine step; False, with no step, if the engine is idle."""
+        while self.admitted < admission_limit(self.mode, self.version, self.k, self.B, self.dropped_stale):
+            self.engine.add(self.rollouts.next_template(self.admitted), self.G)
+            self.admitted += 1
+        if not self.engine.busy:
+            return False
+        self.ready += self.engine.step()
+        return True
 
     def push_weights(self, policy, publish=True):
         """New weights: PipelineRL loads them in flight (Sec. 3.1), PPO-off-policy once its k batches are used up."""
@@ -292,10 +287,8 @@ def evaluate(engine, rollouts, templates, n, seed, progress=None):
 
 def pass_rates(results, tasks=()):
     """The held-out row from `evaluate`'s results: pass_rate, eval_len, with several tasks pass_rate_<task> (Sec. 7)."""
-    passed = np.array([r[1] for r in results], dtype=bool)
-    out = dict(pass_rate=float(passed.mean()), eval_len=float(np.mean([r[2] for r in results])))
+    out = dict(pass_rate=fmean(r[1] for r in results), eval_len=fmean(r[2] for r in results))
     for t in tasks if len(tasks) > 1 else []:
-        mine = passed[[r[0] == t for r in results]]
-        if mine.size:
-            out[f"pass_rate_{t}"] = float(mine.mean())
+        if mine := [r[1] for r in results if r[0] == t]:
+            out[f"pass_rate_{t}"] = fmean(mine)
     return out
