@@ -118,9 +118,8 @@ def arith_problems(n, seed=0, levels=(1, 2, 3, 4, 5), error_rate=0.0, start_id=0
 
 
 def feasible_share(problems, think_budget, n_tokens=len):
-    """The pass rate of a policy that never slips, when its thinking must fit its budget: the mean over problems of the
-    chance that a budget drawn from think_budget = (lo, hi) holds the error-free trace and </think>. An interrupted
-    trace has no final sum to answer (App. A.10): on the built-in tasks this bounds A. n_tokens: a trace's tokens."""
+    """The pass rate of a never-slipping policy whose thinking must fit: the mean chance that a budget drawn from
+    (lo, hi) holds the error-free trace and </think> (an interrupted one has no final sum, App. A.10)."""
     lo, hi = think_budget
     return sum(max(0, hi - max(lo, n_tokens(p.trace) + 1) + 1) for p in problems) / (hi - lo + 1) / len(problems)
 

@@ -125,11 +125,10 @@ def policy_loss(logp, gen_logp, adv, mask, weights, loss="cispo", **kw):
         else:  # the clipped branch is the minimum: this token's gradient is zero
             r = rho if loss != "gspo" else torch.exp(_seq_log_ratio(logp, gen_logp, mask))[:, None].expand_as(rho)
             clipped = ((a > 0) & (r > 1 + opts["eps_high"])) | ((a < 0) & (r < 1 - opts["eps_low"]))
-        # whatever the loss: the tokens DAPO's rule would silence, by side (Sec. 3.2), and the ratio's spread
-        rho, a, lr = rho[m], a[m], (logp - gen_logp)[m]
-        dapo = DEFAULTS["dapo"]
+        # whatever the loss, the tokens DAPO's rule would silence, by side (Sec. 3.2); mismatch_kl estimates
+        # KL(gen || train), logratio_sq is the mean square of log(pi_train / pi_gen)
+        rho, a, lr, dapo = rho[m], a[m], (logp - gen_logp)[m], DEFAULTS["dapo"]
         low, high = (a < 0) & (rho < 1 - dapo["eps_low"]), (a > 0) & (rho > 1 + dapo["eps_high"])
-        # mismatch_kl estimates KL(gen || train); logratio_sq is the mean square of log(pi_train / pi_gen)
         return total, dict(clip_frac=float(clipped[m].sum()) / n, ratio_mean=float(rho.mean()),
                            ratio_max=float(rho.max()), mismatch_kl=-float(lr.mean()),
                            logratio_sq=float(lr.square().mean()), dapo_clip_low=float(low.sum()) / n,

@@ -133,14 +133,13 @@ HUB = dict(sft_steps=0, dtype="bfloat16", max_prompt=512, think_min=768, think_m
            eval_every=20, ckpt_every=20, eval_prompts=256, eval_samples=4, n_train=100000, decode_per_step=0,
            micro_batch_tokens=8192, max_lag=4, plan_gpus=1)
 
-# the paper in miniature (runs/ablations.py): levels 7-8 outgrow the thinking budget (ceiling near 0.6, under the
-# fit's bound); 2 layers learn in ~30 steps, 300 reach 10 x C_mid in 3-5 min on a thread; 192 prompts halve noise
-MINIATURE = dict(levels="1,2,3,4,5,6,7,8", n_layer=2, lr=1.5e-4, max_steps=300, eval_prompts=192)
 PRESETS = {
     "tiny": {},
     "smoke": dict(max_steps=4, eval_every=2, eval_prompts=8, eval_samples=2, n_train=200, sft_steps=20,
                   batch_prompts=4, group_size=4, slots=16, ckpt_every=2),
-    "miniature": MINIATURE,
+    # the paper in miniature (runs/ablations.py): levels 7-8 outgrow the thinking budget (ceiling near 0.64,
+    # data.feasible_share); 2 layers learn in ~30 steps, 300 reach 10 x C_mid; 192 prompts halve the noise
+    "miniature": (MINIATURE := dict(levels="1,2,3,4,5,6,7,8", n_layer=2, lr=1.5e-4, max_steps=300, eval_prompts=192)),
     # lag 8, where the trust region against stale samples decides; a 64-72 token budget that every level fits
     "miniature_stale": {**MINIATURE, "max_lag": 8, "decode_per_step": 96},
     "miniature_long": {**MINIATURE, "think_min": 64, "think_max": 72},

@@ -33,16 +33,17 @@ def sequence_batch(seqs, starts, pad_id):
 
 
 def rollout_tensors(samples, pad_id):
-    """Trainer tensors for completions: ids/att (N, L); the loss mask and behaviour logprobs (N, L-1), aligned with
-    the target positions. Forced interruption tokens stay in the context but are masked out of the loss (App. A.10)."""
+    """Trainer tensors for completions: ids/att (N, L); the loss mask, behaviour logprobs and the policy version that
+    sampled each token (-1 off the completion) (N, L-1), aligned with the target positions. Forced interruption
+    tokens stay in the context but are masked out of the loss (App. A.10)."""
     ids, att, tmask = sequence_batch([s.prompt_tokens + s.tokens for s in samples],
                                      [len(s.prompt_tokens) for s in samples], pad_id)
-    gen_logp = torch.zeros(tmask.shape)
+    gen_logp, versions = torch.zeros(tmask.shape), torch.full(tmask.shape, -1)
     for i, s in enumerate(samples):
         P, n = len(s.prompt_tokens), len(s.tokens)
-        gen_logp[i, P - 1:P - 1 + n] = torch.tensor(s.logprobs)
+        gen_logp[i, P - 1:P - 1 + n], versions[i, P - 1:P - 1 + n] = torch.tensor(s.logprobs), torch.tensor(s.versions)
         tmask[i, P - 1:P - 1 + n] *= 1 - torch.tensor(s.forced, dtype=torch.float)
-    return ids, att, tmask, gen_logp
+    return ids, att, tmask, gen_logp, versions
 
 
 class Head(torch.nn.Module):
@@ -98,21 +99,17 @@ def micro_batches(order, lengths, budget):
 
 def policy_gradient(policy, samples, adv, cfg, rank=0, world=1, version=-1):
     """Backward of the RL loss (Sec. 3.2) into .grad over token-budget micro-batches of every world-th completion by
-    length (whole-batch weights: the ranks' gradients add up). Returns loss, token-weighted sums, max ratio; the sums
-    also hold |log(pi_train / pi_gen)| on the tokens that the weights being trained (`version`) sampled."""
+    length (whole-batch weights: the ranks' gradients add up). Returns loss, token-weighted sums, max ratio."""
     # the loss's options (eps_max; eps_low, eps_high) from cfg: a negative one keeps the loss's default
     opts = {k: getattr(cfg, k) for k in losses.DEFAULTS[cfg.loss] if getattr(cfg, k) >= 0}
     dev = next(policy.parameters()).device
-    ids, att, tmask, gen_logp, adv = (t.to(dev) for t in (*rollout_tensors(samples, policy.pad_id), adv))
+    ids, att, tmask, gen_logp, versions, adv = (t.to(dev) for t in (*rollout_tensors(samples, policy.pad_id), adv))
     weights = losses.aggregation_weights(tmask, torch.tensor([s.group for s in samples], device=dev), how=cfg.agg)
     lengths = att.sum(1).tolist()
     order = sorted(range(len(samples)), key=lengths.__getitem__)
     plans = [micro_batches(order[r::world], lengths, cfg.micro_batch_tokens) for r in range(world)]
     # the loss tokens sampled by these very weights: their mismatch is the kernels', not the lag's
-    fresh = torch.zeros_like(tmask)
-    for i, s in enumerate(samples):
-        fresh[i, len(s.prompt_tokens) - 1:][:len(s.tokens)] = torch.tensor(s.versions) == version
-    fresh *= tmask
+    fresh = (versions == version) & tmask.bool()
     policy.train()
     total, ratio_max, means = 0.0, 0.0, [k for k in losses.DIAGNOSTICS if k != "ratio_max"]
     sums = dict.fromkeys(("n_tokens", "fresh_tokens", "fresh_gap", *means), 0.0)
@@ -123,12 +120,11 @@ def policy_gradient(policy, samples, adv, cfg, rank=0, world=1, version=-1):
             continue
         mb = plans[rank][i]
         L = lengths[mb[-1]]
-        logp, gen = policy(ids[mb, :L], att[mb, :L]), gen_logp[mb, :L - 1]
+        logp, gen, f = policy(ids[mb, :L], att[mb, :L]), gen_logp[mb, :L - 1], fresh[mb, :L - 1]
         loss, diag = losses.policy_loss(logp, gen, adv[mb], tmask[mb, :L - 1], weights[mb, :L - 1], loss=cfg.loss,
                                         **opts)
         loss.backward()
         total += loss.item()
-        f = fresh[mb, :L - 1].bool()
         diag |= dict(fresh_tokens=int(f.sum()), fresh_gap=float(torch.where(f, (logp.detach() - gen).abs(), 0).sum()))
         for k in sums:
             sums[k] += diag[k] * diag["n_tokens"] if k in means else diag[k]

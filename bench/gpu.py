@@ -202,7 +202,7 @@ def sdpa_decode(q, k, v, mask, scaling):
 def part_mismatch(a, policy, eng, samples, dev, out):
     """The trainer's logprobs, and the engine's own model run over each whole sequence at once (no KV cache), against
     the behaviour logprobs: the second splits the gap into decode-against-prefill kernels and the rest."""
-    ids, att, tmask, gen_logp = (t.to(dev) for t in trainer.rollout_tensors(samples, 0))
+    ids, att, tmask, gen_logp, _ = (t.to(dev) for t in trainer.rollout_tensors(samples, 0))
     gaps, own = [], []
     with torch.no_grad():
         for i in range(0, len(samples), 8):

@@ -40,7 +40,7 @@ def gap(cfg, model, tok, val, samples):
                             tok.pad_token_id, body)
     if body != torch.float32:  # the trainer's mixed precision, as the run computes it (infra/run.py: policy)
         dist.shard(policy, trainer.decoder_layers(policy.lm), dist.local_group(), body)
-    ids, att, tmask, gen_logp = trainer.rollout_tensors([s for g in groups for s in g], tok.pad_token_id)
+    ids, att, tmask, gen_logp, _ = trainer.rollout_tensors([s for g in groups for s in g], tok.pad_token_id)
     d = (policy(ids, att) - gen_logp)[tmask.bool()].abs()
     return d.mean().item(), d.max().item(), d.numel()
 
@@ -55,13 +55,14 @@ def table(args):
     if args.run:
         from transformers import AutoModelForCausalLM
         weights["after training"] = AutoModelForCausalLM.from_pretrained(os.path.join(args.run, "hf"),
-                                                                         torch_dtype=torch.float32).state_dict()
+                                                                         dtype=torch.float32).state_dict()
     out = {}
     for when, state in weights.items():
         model.load_state_dict(state)
         for name, (dtype, fp32_head) in SETTINGS.items():
             cfg.dtype, cfg.fp32_head = dtype, fp32_head
-            out.setdefault(when, {})[name] = gap(cfg, model, tok, val, args.samples)
+            out.setdefault(when, {})[name] = mean, top, n = gap(cfg, model, tok, val, args.samples)
+            print(f"{when:<15} {name:<16} | {mean:12.2e} {top:11.2e} | {n}", flush=True)
     return out
 
 
@@ -73,11 +74,8 @@ def main():
     ap.add_argument("--json", help="also write the table here (notebooks/ablations.ipynb reads it)")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    out = table(args)
     print(f"{'weights':<15} {'setting':<16} | {'mean |dlogp|':>12} {'max |dlogp|':>11} | tokens")
-    for when, rows in out.items():
-        for name, (mean, top, n) in rows.items():
-            print(f"{when:<15} {name:<16} | {mean:12.2e} {top:11.2e} | {n}", flush=True)
+    out = table(args)
     if args.json:
         json.dump({when: {name: dict(mean=m, max=t, tokens=n) for name, (m, t, n) in rows.items()}
                    for when, rows in out.items()}, open(args.json, "w"), indent=1)

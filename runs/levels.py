@@ -31,7 +31,7 @@ def evaluate(run_dir, samples=None):
     _, val, tasks = sources.load_data(cfg)
     model, tok = sources.load_model(cfg, tasks)
     model.load_state_dict(AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "hf"),
-                                                               torch_dtype=torch.float32).state_dict())
+                                                               dtype=torch.float32).state_dict())
     engine = run.make_engine(cfg, model, tok, seed=cfg.seed)
     scorer = pipeline_rl.Rollouts(engine, None, tok, cfg.max_prompt)
     groups = engine.generate(run.held_out(scorer, val), samples or cfg.eval_samples)

@@ -68,7 +68,7 @@ def sampled(model, head_dtype=torch.float32):
 def test_trainer_and_engine_compute_the_models_own_logprobs(name):
     model = build(name)
     policy = trainer.Policy(model, 1.0)
-    ids, att, tmask, gen_logp = trainer.rollout_tensors(sampled(model), 0)
+    ids, att, tmask, gen_logp, _ = trainer.rollout_tensors(sampled(model), 0)
     with torch.no_grad():
         logp = policy(ids, att)
         own = torch.log_softmax(model(input_ids=ids, attention_mask=att).logits.float(), -1)
@@ -101,7 +101,7 @@ def test_bf16_body_and_fp32_head_agree_across_families(name):
     tied = id(gm.get_input_embeddings().weight) in head
     for p in gm.parameters():
         p.data = p.data.to(torch.float32 if id(p) in head and not tied else torch.bfloat16)
-    ids, att, tmask, gen_logp = trainer.rollout_tensors(sampled(gm), 0)
+    ids, att, tmask, gen_logp, _ = trainer.rollout_tensors(sampled(gm), 0)
     policy = trainer.Policy(model, 1.0, torch.float32, 0, torch.bfloat16)
     dist.shard(policy, trainer.decoder_layers(model), dist.local_group(), torch.bfloat16)
     with torch.no_grad():
@@ -165,7 +165,7 @@ def test_two_steps_in_one_process_then_the_export_loads_and_generates(own, tmp_p
     loaded = hf.state_dict()
     for n, t in final.items():  # the trained weights as export_hf writes them, in the body dtype (and loaded as saved)
         assert torch.equal(loaded[n], t.to(getattr(torch, dtype)).to(loaded[n].dtype)), n
-    ids, att, tmask, _ = trainer.rollout_tensors([s for g in groups for s in g], tok.pad_token_id)
+    ids, att, tmask, *_ = trainer.rollout_tensors([s for g in groups for s in g], tok.pad_token_id)
     policy.eval()
     with torch.no_grad():
         mine, theirs = policy(ids, att), hf(input_ids=ids, attention_mask=att).logits.float()

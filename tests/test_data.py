@@ -65,6 +65,19 @@ def test_arith_levels_answers_and_traces():
     assert arith_problems(1, levels=(2,))[0].trace.count(",") == 1
 
 
+def test_the_budgets_bound_counts_the_budgets_that_hold_each_trace_and_its_close():
+    """A trace of n tokens and </think> fit a budget b drawn uniformly from [lo, hi] when b >= n + 1; the bound is the
+    mean of that chance over the problems, and the built-in levels outgrow the default 36-48 budget from level 5."""
+    p = lambda n: Problem(0, "q", "1", "arith", trace="x" * n)  # noqa: E731
+    assert data.feasible_share([p(10)], (36, 48)) == 1.0 and data.feasible_share([p(48)], (36, 48)) == 0.0
+    assert data.feasible_share([p(40), p(47)], (36, 48)) == pytest.approx((8 / 13 + 1 / 13) / 2)  # b in 41..48, 48
+    assert data.feasible_share([p(3)], (5, 5), n_tokens=lambda t: 2 * len(t)) == 0.0  # 7 tokens, a 5-token budget
+    val = arith_problems(800, levels=tuple(range(1, 9)), split="val")
+    share = {L: data.feasible_share([q for q in val if q.level == L], (36, 48)) for L in range(1, 9)}
+    assert [share[L] for L in (1, 2, 3, 4, 7, 8)] == [1.0] * 4 + [0.0] * 2 and 0 < share[6] < share[5] < 1
+    assert data.feasible_share(val, (64, 72)) == 1.0
+
+
 def test_arith_imperfect_traces_exactly_where_slipped():
     clean = arith_problems(2000, seed=7, error_rate=0.0)
     low = arith_problems(2000, seed=7, error_rate=0.1)

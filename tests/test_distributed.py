@@ -163,7 +163,7 @@ def test_a_step_logs_the_mechanism_its_trust_region_acts_on():
             s.versions = [4] * len(s.tokens)
     samples = [s for g in groups for s in g]
     policy = trainer.Policy(trainer.tiny_model(cfg, VOCAB), 1.0, torch.float32)
-    ids, att, tmask, gen = trainer.rollout_tensors(samples, 0)
+    ids, att, tmask, gen, _ = trainer.rollout_tensors(samples, 0)
     with torch.no_grad():
         gap = policy(ids, att) - gen
     m, fresh = tmask.bool(), tmask.bool() & (torch.arange(len(samples)) < 6)[:, None]

@@ -32,7 +32,7 @@ def gpu_mismatch(head_dtype):
         p.data = p.data.to(head_dtype if n == "lm_head.weight" else torch.bfloat16)
     samples = [s for g in engine(gm, slots=16, head_dtype=head_dtype, think=(20, 24)).generate(templates(8), 4)
                for s in g]
-    ids, att, tmask, gen_logp = (t.cuda() for t in trainer.rollout_tensors(samples, 0))
+    ids, att, tmask, gen_logp, _ = (t.cuda() for t in trainer.rollout_tensors(samples, 0))
     policy = trainer.Policy(m, 1.0, head_dtype)
     dist.shard(policy, m.model.layers, dist.local_group(), torch.bfloat16)
     with torch.no_grad():

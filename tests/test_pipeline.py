@@ -78,7 +78,7 @@ def bf16_rollouts(head_dtype=torch.float32, vocab=512):
 def test_mixed_precision_trainer_computes_the_body_as_the_generator_holds_it():
     """FSDP2 mixed precision (one process: a group of one) runs the body on bf16 parameters, exactly a bf16 model's
     forward; fp32 master weights under autocast do not (fp32 residual stream), and sit further from the generator."""
-    m, (ids, att, tmask, gen_logp) = bf16_rollouts()
+    m, (ids, att, tmask, gen_logp, _) = bf16_rollouts()
     policy = trainer.Policy(copy.deepcopy(m), 1.0, torch.float32)
     dist.shard(policy, policy.lm.model.layers, dist.local_group(), torch.bfloat16)
     assert all(p.dtype == torch.float32 for p in policy.parameters())  # the masters stay fp32
@@ -286,7 +286,7 @@ def test_bad_scheduler_settings_are_refused():
 def test_trainer_tensors_mask_forced_tokens_and_align_logprobs(never_stop):
     m = tiny_model(seed=3)
     samples = [s for g in engine(copy.deepcopy(m), think=(6, 9), answer=4).generate(templates(3), 2) for s in g]
-    ids, att, tmask, gen_logp = trainer.rollout_tensors(samples, pad_id=0)
+    ids, att, tmask, gen_logp, versions = trainer.rollout_tensors(samples, pad_id=0)
     for i, s in enumerate(samples):
         P, n = len(s.prompt_tokens), len(s.tokens)
         assert ids[i, P:P + n].tolist() == s.tokens and att[i].sum() == P + n
@@ -294,6 +294,7 @@ def test_trainer_tensors_mask_forced_tokens_and_align_logprobs(never_stop):
         want = [0.0] * (P - 1) + [0.0 if f else 1.0 for f in s.forced] + [0.0] * (tmask.shape[1] - P + 1 - n)
         assert tmask[i].tolist() == want and sum(s.forced) == len(PHRASE)
         assert torch.equal(gen_logp[i, P - 1:P - 1 + n], torch.tensor(s.logprobs))
+        assert versions[i].tolist() == [-1] * (P - 1) + s.versions + [-1] * (tmask.shape[1] - P + 1 - n)
 
 
 def pushed(link, policy):
@@ -337,7 +338,7 @@ def update_through_the_link(device):
         assert torch.equal(p, want[n]), n
     samples = [s for g in eng.generate(templates(8), 4) for s in g]
     assert all(set(s.versions) == {1} for s in samples)
-    ids, att, tmask, gen_logp = (t.to(device) for t in trainer.rollout_tensors(samples, 0))
+    ids, att, tmask, gen_logp, _ = (t.to(device) for t in trainer.rollout_tensors(samples, 0))
     with torch.no_grad():
         return (policy(ids, att) - gen_logp)[tmask.bool()].abs().mean().item()
 

@@ -175,6 +175,9 @@ def test_prompts_that_cannot_be_built_are_skipped_and_counted(base, monkeypatch,
     train, val = sources.load_problems("arith", n_val=8, n_train=200)
     lengths = sorted(len(data.encode(tok, real(p.question, tok))) for p in train + val)
     limit = lengths[len(lengths) * 3 // 4]  # a quarter of the items are too long
+    # the warm start (its built-in traces) cached first, as in any later run: the patch is for RL's prompts
+    cfg = scalerl.parse_args(["--config", "smoke"])
+    trainer.warm_start(cfg, *sources.load_model(cfg, ["arith"]), str(base))
     monkeypatch.setattr(data, "format_prompt", broken)
     out = base / "bad_prompts"
     main_smoke(out, f"--max_prompt={limit}")

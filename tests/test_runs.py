@@ -31,6 +31,12 @@ def test_launch_skip_resume_and_report(tmp_path):
     assert '"loss": "dapo"' in config and '"rl_seed": 1' in config and '"levels": "1,2,3,4,5,6,7,8"' in config
     assert os.path.exists(tmp_path / "results.md")  # written even though 2 steps are too few to fit
     assert len(ablations.load_curves(str(tmp_path))) == 2  # curves.json's source: every finished run
+    # a finished run level by level: each of the miniature's 8 levels, its pass rate beside the budget's bound
+    p = run_command([sys.executable, os.path.join(ROOT, "runs", "levels.py"), str(tmp_path / "dapo-s0")])
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rows = [line.split() for line in p.stdout.splitlines() if line.split()[:1] and line.split()[0].isdigit()]
+    assert [int(r[0]) for r in rows] == list(range(1, 9)) and all(0 <= float(r[3]) <= 1 for r in rows)
+    assert [float(r[4]) for r in rows][:4] == [1.0] * 4 and float(rows[-1][4]) == 0.0  # levels 7-8 outgrow 36-48
     # a second launch skips the finished runs and leaves them untouched
     before = open(tmp_path / "dapo-s0" / "metrics.jsonl").read()
     p = run_ablations(tmp_path, "--only", "dapo", "--seeds", "0,1", *SMOKE)
