@@ -108,7 +108,7 @@ def policy_gradient(policy, samples, adv, cfg, rank=0, world=1, version=-1):
     lengths = att.sum(1).tolist()
     order = sorted(range(len(samples)), key=lengths.__getitem__)
     plans = [micro_batches(order[r::world], lengths, cfg.micro_batch_tokens) for r in range(world)]
-    # the loss tokens sampled by these very weights: their mismatch is the kernels', not the lag's
+    # the loss tokens sampled by these very weights: their mismatch is the kernels' (and an older KV cache's), not lag
     fresh = (versions == version) & tmask.bool()
     policy.train()
     total, ratio_max, means = 0.0, 0.0, [k for k in losses.DIAGNOSTICS if k != "ratio_max"]
