@@ -31,7 +31,7 @@ sys.path.insert(0, ROOT)
 import data  # noqa: E402
 import scalerl  # noqa: E402
 import sigmoid_fit  # noqa: E402
-from infra import sources  # noqa: E402
+from infra import cli, sources  # noqa: E402
 
 PRESET = ["--config=miniature"]
 SEEDS = (0, 1, 2)
@@ -190,7 +190,7 @@ def curve(out, variant, seed):
     return dict(variant=variant, seed=seed, compute=compute_key(variant), C=[float(c) for c in C],
                 R=[float(r) for r in R], R0=r0, steps=len(steps), mismatch_kl=mean("mismatch_kl"),
                 trunc_rate=mean("trunc_rate"), zero_var_frac=mean("zero_var_frac"),
-                bound=bound(json.load(open(os.path.join(run_dir, "config.json")))["config"]),
+                bound=bound(run_config(run_dir)),
                 **{k: mean(k, late) for k in MECHANISM})
 
 
@@ -199,10 +199,14 @@ def plateau(R):
     return float(np.mean(R[len(R) // 2:]))
 
 
-def bound(config):
+def run_config(run_dir):
+    """A run's options, read from its config.json as --resume reads them."""
+    return cli.restore_options(scalerl.Config(out_dir=run_dir), os.path.join(run_dir, "config.json"), {})
+
+
+def bound(cfg):
     """The pass rate a never-slipping policy reaches when its thinking must fit the budget, on a run's own held-out
-    set (data.feasible_share), from its resolved options: the ceiling the task sets, beside the fitted A."""
-    cfg = scalerl.Config(**{k: v for k, v in config.items() if k in scalerl.Config.__dataclass_fields__})
+    set (data.feasible_share): the ceiling the task sets, beside the fitted A."""
     _, val, _ = sources.load_data(cfg)
     return data.feasible_share(val, (cfg.think_min, cfg.think_max))
 
@@ -372,7 +376,7 @@ def kept_curves(path, have):
     done = {(c["variant"], c["seed"]) for c in have}
     old = [c for c in json.load(open(path)) if (c["variant"], c["seed"]) not in done and c["variant"] in VARIANTS]
     for c in old:
-        c.setdefault("bound", bound(vars(scalerl.parse_args([*preset(c["variant"]), *VARIANTS[c["variant"]]]))))
+        c.setdefault("bound", bound(scalerl.parse_args([*preset(c["variant"]), *VARIANTS[c["variant"]]])))
     return old
 
 

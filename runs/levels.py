@@ -7,7 +7,6 @@ L's failed completions.
 The run's own options (config.json), held-out set, budgets and sampling, on the weights it ended with (hf/).
 """
 import argparse
-import json
 import os
 import sys
 
@@ -18,14 +17,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
 import pipeline_rl  # noqa: E402
 import scalerl  # noqa: E402
-from infra import run, sources  # noqa: E402
+from infra import cli, run, sources  # noqa: E402
 
 
 def evaluate(run_dir, samples=None):
     """(config, held-out problems, their scored groups in the same order) on the run's final weights."""
     from transformers import AutoModelForCausalLM
-    conf = json.load(open(os.path.join(run_dir, "config.json")))["config"]
-    cfg = scalerl.Config(**{k: v for k, v in conf.items() if k in scalerl.Config.__dataclass_fields__})
+    cfg = cli.restore_options(scalerl.Config(out_dir=run_dir), os.path.join(run_dir, "config.json"), {})
     if cfg.task != "arith":
         sys.exit(f"{run_dir}: --task={cfg.task}; levels are the built-in arithmetic task's")
     _, val, tasks = sources.load_data(cfg)
