@@ -1,15 +1,6 @@
 """infra/dist.py: torchrun. Ranks 0..T-1 train (FSDP2 over them; rank 0 also logs, evaluates, checkpoints and
 publishes weights), ranks T..W-1 generate; a plain `python scalerl.py` is a world of one and needs none of this.
-- Every wait on another rank is bounded by --dist_timeout and ends the process with one line naming what it waited
-  for (`waiting_for`, `gave_up`).
-- Rollouts travel generator -> trainer rank 0 on a process group per generator, never holding up a weight broadcast;
-  the policy version and the admission counters live in the job's TCPStore.
-- Weights reach the generator ranks after every optimizer step in buckets of at most --sync_bucket_mb (a decoder
-  layer never split), each broadcast while the next is packed and loaded as it lands, between engine steps (Sec. 3.1).
-- A generator rank that cannot write its --resume state ends the job with one line; the last good file is kept.
-- FSDP2 (`shard`): fp32 master weights, gradients and AdamW; the body computed in the body dtype, an untied head its
-  own unit in the head's dtype (Sec. 3.2). Gradients are summed: each rank's loss is its part of the batch's loss.
-"""
+What it guarantees (bounded waits, rollouts, weight buckets, FSDP2, a generator rank's state): docs/torchrun.md."""
 import collections
 import contextlib
 from concurrent.futures import ThreadPoolExecutor
@@ -92,11 +83,6 @@ def local_group():
     return dist.group.WORLD
 
 
-def dist_cleanup(job):
-    if job.world > 1:
-        dist.destroy_process_group()
-
-
 def leave():
     """A finished torchrun rank exits at once, after the exit handlers: in the interpreter's teardown, gloo work objects
     freed after the groups can abort it (SIGABRT), and torchrun would fail the whole job."""
@@ -109,10 +95,8 @@ def leave():
 @contextlib.contextmanager
 def waiting_for(job, what, bound=False):
     """A time-out or a lost peer in the block (torch raises RuntimeError for both) ends the process: `die`. `bound`, for
-    a block that only waits (the weight broadcasts): so does lasting past --dist_timeout. A hung NCCL collective raises
-    nothing on the host, which waits until NCCL's watchdog aborts the process without a word on what it waited for
-    (its groups' watchdogs wait 60 s longer, so this line comes first). The gradients' collectives are left to that
-    watchdog: a bound on their block would count the backward's compute too."""
+    a block that only waits (the weight broadcasts): so does lasting past --dist_timeout, as a hung NCCL collective
+    raises nothing on the host (the gradients' are left to NCCL's watchdog: docs/torchrun.md)."""
     timer = threading.Timer(job.timeout, gave_up, (job, what))
     timer.daemon = True
     if bound:
@@ -126,7 +110,6 @@ def waiting_for(job, what, bound=False):
 
 
 def gave_up(job, what, why=""):
-    """A wait that passed --dist_timeout ends the process: `die`."""
     die(f"{job.name} gave up waiting for {what} after {job.timeout:.0f} s{why}")
 
 
@@ -134,13 +117,6 @@ def counter(job, key, add=0):
     """A job-wide integer in the TCPStore: add `add` atomically, return the new value (add=0 reads it)."""
     with waiting_for(job, f"the job's TCPStore (counter {key!r})"):
         return job.store.add(key, add)
-
-
-def broadcast_from_rank0(job, module):
-    """Start-up: every rank takes rank 0's weights (after its warm start), in place."""
-    with waiting_for(job, "rank 0's initial weights"):
-        for t in module.state_dict().values() if job.world > 1 else []:
-            dist.broadcast(t, src=0)
 
 
 def share(job, obj, everyone=False):
@@ -259,17 +235,15 @@ class TrainerLink(BatchSource):
             self.pending = None
 
     def ask_eval(self, version, row):
-        """Trainer rank 0: ask the generator ranks for the held-out pass rate of `version`, to log with `row`."""
         self.asked[version] = row
         with waiting_for(self.job, "the job's TCPStore (held-out request)"):
             self.job.store.set(f"eval/{version}", "")
 
     def evals(self, until=0, patient=False):
         """Trainer rank 0: [(row, results, (first, last) version of their tokens)] of the complete evaluations, in
-        order, and those of versions before `until` waited for: at a checkpoint at most --dist_timeout (the other
-        trainer ranks wait in a collective meanwhile; infra.plan holds that these have ended), at the end (`patient`,
-        once the other ranks are done) as long as the generators make tokens: an evaluation may take hours on a few
-        GPUs, longer than any fixed time-out."""
+        order, and those of versions before `until` waited for: at most --dist_timeout (the other trainer ranks wait
+        in a collective; infra.plan holds that these have ended), or at the end (`patient`) as long as the generators
+        make tokens, as an evaluation may take hours on a few GPUs."""
         out = []
         for v in sorted(self.asked):
             keys = [f"eval/{v}/{rank}" for rank in self.job.generators]
@@ -285,9 +259,8 @@ class TrainerLink(BatchSource):
                             else " (an evaluation longer than --eval_every steps: raise --eval_share)")
                 time.sleep(POLL_S)
             parts = [json.loads(self.job.store.get(key)) for key in keys]
-            spans = [p["versions"] for p in parts if p["versions"]] or [(v, v)]
-            out.append((self.asked.pop(v), [r for p in parts for r in p["results"]],
-                        (min(x[0] for x in spans), max(x[1] for x in spans))))
+            versions = [x for p in parts for x in p["versions"] or ()] or [v]
+            out.append((self.asked.pop(v), [r for p in parts for r in p["results"]], (min(versions), max(versions))))
             for key in keys + [f"eval/{v}"]:
                 self.job.store.delete_key(key)
         return out
@@ -334,8 +307,7 @@ def receive_weights(job, engine, version, bucket_bytes, take=True, bufs=None):
 class HeldOut:
     """A generator rank's held-out evaluations, interleaved with its rollouts so that evaluation never stalls the
     pipeline: an asked version's groups start in order within `cap` completions at once (--eval_share of the slots;
-    all of them once training is over), training groups fill the other slots. Weights keep landing in flight, so an
-    evaluation asked at version v may finish on later weights: its row logs the versions its tokens came from."""
+    all of them once training is over), training groups fill the other slots; its rows log their tokens' versions."""
     def __init__(self, rollouts, templates, n, cap):
         self.rollouts, self.templates, self.n, self.cap = rollouts, templates, n, max(n, cap)
         # (v, template) to start; group -> v; v -> its finished groups; the versions asked
@@ -384,8 +356,7 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
     scorer, scoring = ThreadPoolExecutor(1, thread_name_prefix="score"), []
     # a resumed run starts at the checkpoint's version; next_group: taken from the counter, not started yet
     received, saved, next_group, idle_since = engine.version, None, None, None
-    # the TCPStore is read, and this rank's counts added to it, every POLL_S, not every engine step (at most 6
-    # requests a poll: 64 generators make some 4k a second, where a request per counter per step made some 15k)
+    # the TCPStore is read, and this rank's counts added to it, every POLL_S, not every engine step (docs/torchrun.md)
     polled, stop, dropped, counts = 0.0, 0, 0, dict(gen_us=0, gen_tokens=0)
     while True:
         if time.time() - polled >= POLL_S:
@@ -498,5 +469,4 @@ class TrainerComm:
         return dict(zip(sums, s.tolist())), dict(zip(maxes, m.tolist()))
 
     def share(self, obj):
-        """Trainer rank 0's `obj` on every trainer rank."""
         return share(self.job, obj)

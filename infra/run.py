@@ -1,18 +1,6 @@
-"""infra/run.py: a run's life around the loop in scalerl.main, for one process and for every rank under torchrun.
-
-What it guarantees:
-- Nothing is written and no rank joins the job before rank 0 has checked the run directory (rundir.check_run_dir);
-  --resume needs a checkpoint written by the same layout of ranks, and every rank resumes from rank 0's resume point.
-- An engine holds its own copy of the weights in the body dtype (an untied FP32 head stays fp32, Sec. 3.2), cast
-  parameter by parameter while copied: never a second fp32 copy of the model on the device (vLLM's: on the CPU).
-- In one process a held-out pass rate depends on the weights and the seed only (an engine of its own, re-seeded per
-  step). Under torchrun the generator ranks evaluate interleaved with their rollouts, never stalling the pipeline:
-  weights land in flight, and the row logs the versions its tokens came from (`eval_versions`); a checkpoint follows
-  the rows of the evaluations asked --eval_every steps before it or more (infra.plan refuses a GPU job whose
-  evaluation would outlast --eval_every steps).
-- The end: a preempted run checkpoints and exits 143, resumable, with no export; a run of non-finite steps exits with
-  one line; otherwise the policy is exported to out_dir/hf and the run's own curve is fitted (Sec. 2.1).
-"""
+"""infra/run.py: a run's life around the loop in scalerl.main, for one process and for every rank under torchrun: the
+start (rank 0 checks the run directory before anything is written or any rank joins), the engines, the held-out
+evaluation, the end. What a run guarantees: docs/faults.md, docs/torchrun.md and docs/gpus.md."""
 import copy
 import json
 import math
@@ -30,7 +18,6 @@ from infra import dist, fail, print0, rundir, sources
 
 
 def device():
-    """This rank's device: its GPU (LOCAL_RANK) where there is one, else the CPU."""
     return torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
 
 
@@ -102,20 +89,19 @@ def start(cfg):
 
 
 def shared_run_dir(cfg, job):
-    """Every trainer rank writes its checkpoint shard into --out_dir, every generator rank its curriculum, and a resume
-    reads them all: it must be one folder for the whole job (on several nodes, a shared filesystem). Rank 0 leaves a
-    mark there; every rank looks for it."""
-    mark = f".shared-{os.getpid()}-{time.time_ns()}"
+    """--out_dir must be one folder for the whole job (on several nodes, a shared filesystem): every rank writes its
+    part of a checkpoint there and --resume reads them all. Rank 0 leaves a mark there; every rank looks for it."""
+    mark = os.path.join(cfg.out_dir, f".shared-{os.getpid()}-{time.time_ns()}")
     if job.rank == 0:
         os.makedirs(cfg.out_dir, exist_ok=True)
-        open(os.path.join(cfg.out_dir, mark), "w").close()
+        open(mark, "w").close()
     mark = dist.share(job, mark, everyone=True)
     seen = [None] * job.world
     with dist.waiting_for(job, "every rank's view of the run directory"):
-        torch.distributed.all_gather_object(seen, os.path.exists(os.path.join(cfg.out_dir, mark)))
+        torch.distributed.all_gather_object(seen, os.path.exists(mark))
+    blind = [r for r, ok in enumerate(seen) if not ok]
     if job.rank == 0:
-        os.remove(os.path.join(cfg.out_dir, mark))
-    blind = [r for r in range(job.world) if not seen[r]]
+        os.remove(mark)
     if blind and job.rank == 0:
         fail(f"ranks {blind} do not see rank 0's run directory {cfg.out_dir} (a file rank 0 wrote there is missing on "
              "theirs); each trainer rank writes its checkpoint shard there, each generator rank its curriculum, and "
@@ -130,8 +116,11 @@ def place(cfg, job, model, ckpt, resume):
     a trainer rank's shard in `restore`. A generator rank's model stays on the CPU (its engine takes a copy)."""
     if resume and (job.world == 1 or job.rank in job.generators):
         rundir.load_weights(model, ckpt or resume, cfg.out_dir)
-    elif cfg.model == "tiny" and not resume:
-        dist.broadcast_from_rank0(job, model)
+    elif cfg.model == "tiny" and not resume and job.world > 1:
+        # every rank takes rank 0's weights (its warm start), in place
+        with dist.waiting_for(job, "rank 0's initial weights"):
+            for t in model.state_dict().values():
+                torch.distributed.broadcast(t, src=0)
     model.to("cpu" if job.rank in job.generators else device())
 
 
@@ -291,7 +280,7 @@ def generator_rank(cfg, job, rollouts, val, resume):
     dist.run_generator(job, rollouts, mode=cfg.off_policy, k=cfg.max_lag, batch_prompts=cfg.batch_prompts,
                        group_size=cfg.group_size, save_every=cfg.ckpt_every, state_path=state_path,
                        bucket_bytes=cfg.sync_bucket_mb << 20, held_out=evaluate)
-    dist.dist_cleanup(job)
+    torch.distributed.destroy_process_group()
 
 
 def finish(cfg, job, step, bad_run, stop, saved, source, evaluate, policy, opt, model, tok, log):
@@ -310,7 +299,8 @@ def finish(cfg, job, step, bad_run, stop, saved, source, evaluate, policy, opt, 
     log.took["generation"] = source.totals()["gen_s"]
     if not stop and job.rank == 0:
         print(f"policy at step {step} written to {rundir.export_hf(cfg, model, tok, final)} (from_pretrained, vLLM)")
-    dist.dist_cleanup(job)
+    if job.world > 1:
+        torch.distributed.destroy_process_group()
     if stop:
         print0(f"stopped by {stop} at step {step}; checkpoint in {cfg.out_dir}: continue with --resume", flush=True)
         raise SystemExit(143)
