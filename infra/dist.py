@@ -284,9 +284,8 @@ class TrainerLink(BatchSource):
 
 def receive_weights(job, engine, version, bucket_bytes, take=True, bufs=None):
     """A generator rank's end of TrainerLink.push_weights (`take` False: received, not loaded). Each bucket lands in
-    the engine's `landing`: the PyTorch engine's parameters; vLLM's receive buffer (`staged`), which it loads from as
-    each bucket lands, one reload a version, and where a version it does not take lands too. The PyTorch engine takes
-    a version not loaded into `bufs`' one (on the GPU for NCCL)."""
+    the engine's `landing`: the PyTorch engine's parameters, or vLLM's receive buffer (`staged`: loaded from as each
+    bucket lands, one reload a version; a version not taken lands there too, the PyTorch engine's in `bufs`)."""
     staged, bufs = getattr(engine, "staged", False), {} if bufs is None else bufs
 
     def landed():

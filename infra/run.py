@@ -253,8 +253,7 @@ class Evaluator:
         return held_out_line(row, self.tasks)
 
     def collect(self, until=0, patient=False):
-        """Under torchrun, trainer rank 0: the rows the generator ranks have sent, and those asked before policy
-        version `until` waited for (TrainerLink.evals)."""
+        """Under torchrun, trainer rank 0 logs the rows the generator ranks have sent (TrainerLink.evals)."""
         if self.job.rank != 0 or self.job.world == 1:
             return
         for row, results, versions in self.source.evals(until, patient):
