@@ -1,10 +1,6 @@
-"""infra/plan.py: what `python scalerl.py --dry_run` prints: the run's roles, steps, token budgets, and each GPU role's
-memory row by row with a verdict at 80 GB, from the config alone (shapes from a cached `config.json`, or the table
-below for the presets' model); nothing is loaded or downloaded.
-
-    python scalerl.py --config=8b --dry_run                 # the paper's 8B run on 80 GPUs
-    python scalerl.py --config=8b --dry_run --plan_gpus=8   # the same recipe on one 8-GPU node
-"""
+"""infra/plan.py: what `python scalerl.py --dry_run` prints (docs/torchrun.md): the run's roles, steps, token budgets,
+each GPU role's memory row by row with a verdict at 80 GB, and its time estimates, from the config alone (shapes from
+a cached `config.json`, or the table below for the presets' model); nothing is loaded or downloaded."""
 from dataclasses import replace
 import functools
 import inspect
@@ -56,12 +52,10 @@ def trainer_activations(shape, tokens, seq, ckpt, b, fp32_head=True):
     decoder layer keeps (transformers' Qwen3 layer, sdpa; counted with saved-tensor hooks) its RMSNorms' fp32 input,
     normed and output 2(4 + 2b)H, the q/k norms' (4 + b)(q + kv), sdpa's q, k, v (repeated to the q heads: a padded
     batch has a mask) and output 4bq, the MLP's gate, up, silu, product 4bI, the mask cast by sdpa b x seq; with
-    checkpointing its input bH, one layer at a time recomputing all. bench/trainer_memory.py per layer, 8B shape:
-    229-230 KB measured, 228-229 here, 8.0-8.2 checkpointed, 8.2 here. Fitted to it: a layer's backward working set,
-    3(H + I). The FP32 head (losses.token_logprobs) reuses one (CHUNK, V) fp32 buffer for logits and their gradient,
-    plus the hidden states' fp32 gradient (4 + b)H; a head in the body dtype makes (tokens, V) fp32 logits, 3 copies.
-    The whole 0.6B model, 2 x 1024 tokens, with the head's fp32 weight and gradient: 6,109 / 1,956 MiB measured
-    without / with checkpointing, 6,072 / 2,080 here (tests/test_plan.py)."""
+    checkpointing its input bH, one layer at a time recomputing all. Fitted to bench/trainer_memory.py (its figures:
+    docs/measurements.md): a layer's backward working set, 3(H + I). The FP32 head (losses.token_logprobs) reuses one
+    (CHUNK, V) fp32 buffer for logits and their gradient, plus the hidden states' fp32 gradient (4 + b)H; a head in
+    the body dtype makes (tokens, V) fp32 logits, 3 copies."""
     L, H, I, nq, nkv, hd, V, _ = shape
     q, kv = nq * hd, nkv * hd
     layer = 2 * (4 + 2 * b) * H + (4 + b) * (q + kv) + 4 * b * q + 4 * b * I + b * seq
@@ -108,8 +102,7 @@ def meta_model(tiny, shape, dtype, fp32_head):
 
 
 def vllm_offshare_rows(cfg, shape):
-    """What a vLLM generator rank puts on its GPU beside vLLM's share (infra.vllm_engine.outside_share), for a model
-    of `shape` built on the meta device in the dtypes the engine holds (infra.run.make_engine)."""
+    """What a vLLM generator rank puts on its GPU beside vLLM's share (infra.vllm_engine.outside_share)."""
     from infra.vllm_engine import outside_share
     return outside_share(meta_model(cfg.model == "tiny", shape, cfg.dtype, cfg.fp32_head), cfg.sync_bucket_mb << 20)
 
@@ -122,19 +115,14 @@ def bucket_bytes(cfg, shape):
 
 
 def vllm_share(cfg, shape):
-    """The bytes of vLLM's share on a planned GPU, as infra.vllm_engine.vllm_share computes it at start: at most
-    --gpu_memory_utilization of it, and what the rows beside it leave."""
+    """vLLM's share of a planned GPU, as infra.vllm_engine.vllm_share computes it at start."""
     return min(cfg.gpu_memory_utilization * GPU_GB * GB, GPU_GB * GB - sum(vllm_offshare_rows(cfg, shape).values()))
 
 
 def columns(cfg, shape, world, T, seq):
-    """{GPU role: {row: bytes}}. One process holds the trainer, the rollout engine and the evaluation engine; under
-    torchrun the generators evaluate, and vLLM takes what is left of its gpu_memory_utilization for the KV cache.
-    Weight-sync buffers as built: in one process the engines load the trainer's weights (trainer.Policy.state, as
-    the engines hold them; an fp32 body is not copied). Under torchrun trainer rank 0 casts the weights into two
-    reused --sync_bucket_mb buffers, one in flight while the other is packed, beside one FSDP2-gathered parameter; a
-    generator's PyTorch engine receives each bucket straight into its parameters, vLLM (and a PPO-off-policy version
-    that is not loaded) into one reused bucket buffer (infra.dist.receive_weights)."""
+    """{GPU role: {row: bytes}}. One process holds the trainer and the rollout and evaluation engines, which load the
+    trainer's weights as they hold them (trainer.Policy.state: an fp32 body is not copied). Under torchrun the
+    generators evaluate, and the weights travel in buckets (infra.dist; docs/torchrun.md)."""
     (P, _, _, b, hb, _), (_, H, I, _, _, _, V, tied) = sizes(cfg, shape), shape
     train, engine = trainer_rows(cfg, shape, T, seq), engine_rows(cfg, shape, seq)
     if world == 1:
@@ -146,12 +134,12 @@ def columns(cfg, shape, world, T, seq):
     cols = {"trainer 0": {**train, SYNC: max(runs[::2]) + max(runs[1::2] or [0]) + largest}}
     if T > 1:
         cols[f"trainer{'s 1-' if T > 2 else ' '}{T - 1}"] = {**train, SYNC: 0.0}
-    # a bucket holds whole units: the head (fp32 when untied, 2.49 GB at 8B) is one of its own
+    # the PyTorch engine receives each bucket into its parameters; a PPO-off-policy version that is not loaded, into
+    # one buffer as large as the largest bucket (whole units: the fp32 head is one of its own, 2.49 GB at 8B)
     cols["generators"] = {**engine, SYNC: max(runs) * (cfg.off_policy == "ppo")}
     if cfg.engine == "vllm":
-        # vLLM's share holds its weights in the body dtype and the KV cache; beside it, a row each: what
-        # infra.vllm_engine.outside_share counts, from which the engine computes the share it asks for (its receive
-        # buffer among them)
+        # vLLM's share holds its weights in the body dtype and the KV cache; beside it, a row for each allocation
+        # infra.vllm_engine.outside_share counts (its receive buffer among them)
         cols["generators"] = {"engine weights": b * P, "KV cache": max(0.0, vllm_share(cfg, shape) - b * P),
                               **vllm_offshare_rows(cfg, shape)}
     return cols
@@ -167,9 +155,8 @@ def seq_len(cfg):
 
 
 def fitting_gen_ranks(cfg, world, gpu_gb=GPU_GB):
-    """Generator ranks for `world` GPUs of gpu_gb each: --gen_ranks, or --gen_share's split, or fewer generators
-    where the trainer ranks would not fit beside them (0: no split fits; None: the model's shape is unknown). Trainer
-    0 holds the most: the others have no weight-sync buffers."""
+    """Generator ranks for `world` GPUs of gpu_gb each: --gen_ranks or --gen_share's split, or fewer where trainer
+    rank 0 (which holds the most) would not fit (0: no split fits; None: the model's shape is unknown)."""
     shape, gens = model_shape(cfg), len(dist.roles(world, cfg.gen_ranks, cfg.gen_share)[1])
     if shape is None:
         return None
@@ -178,9 +165,8 @@ def fitting_gen_ranks(cfg, world, gpu_gb=GPU_GB):
 
 
 def timing(cfg, shape, world, T, G):
-    """Estimated seconds of the work the job's waits cover: a trainer step (and its FP32 head's part), a generator's
-    engine step, the generation of one step's completions, the first group's, and a held-out evaluation; and the
-    completions one generator may hold at once (`flight`)."""
+    """Estimated seconds of the work the job's waits cover (a trainer step and its head's part, one step's generation,
+    the first group's, a held-out evaluation), and the completions one generator may hold at once (`flight`)."""
     (P, _, _, b, _, kv_token), (L, H, _, nq, _, hd, V, tied) = sizes(cfg, shape), shape
     BG, gen_len = cfg.batch_prompts * cfg.group_size, MEAN_LEN * (cfg.think_max + 24 + cfg.answer_budget)
     seq = MEAN_LEN * cfg.max_prompt + gen_len  # a completion's tokens, on average, and its prompt's
@@ -206,10 +192,9 @@ def timing(cfg, shape, world, T, G):
 
 
 def settle(cfg, world, gpu_gb=GPU_GB):
-    """Trainer rank 0 at the start of a GPU job (infra.run.start), as --dry_run plans it: (generator ranks or 0 for
-    --gen_share's split, --dist_timeout, why --dist_timeout or --eval_every cannot hold this job or None; a split
-    that leaves no trainer raises ValueError). --dist_timeout=0 takes MARGIN x the longest work a wait covers (at
-    least 30 min)."""
+    """Trainer rank 0 at a GPU job's start (infra.run.start), as --dry_run plans it: generator ranks (0: --gen_share's
+    split), --dist_timeout (0: MARGIN x the longest work a wait covers, at least 30 min), and why those or --eval_every
+    cannot hold this job, or None. A split that leaves no trainer raises ValueError."""
     shape, g = model_shape(cfg), cfg.gen_ranks or fitting_gen_ranks(cfg, world, gpu_gb) or 0
     trainers, gens = dist.roles(world, g, cfg.gen_share)
     if shape is None:
@@ -237,14 +222,13 @@ def plan(cfg):
     """--dry_run: what the run would do where, and the memory it needs per GPU, without loading anything."""
     shape = model_shape(cfg)
     world = cfg.plan_gpus or int(os.environ.get("WORLD_SIZE", 0)) or (1 if cfg.model == "tiny" else 80)
-    # the split and time-out the run takes (infra.run.start): --gen_share's split, or fewer generators where its trainer
-    # ranks do not fit; --dist_timeout=0: from the time estimates
+    # the split and time-out the run takes (infra.run.start, through settle)
     g, problem = 0, None
     try:
         if world > 1:
             g, timeout, problem = settle(cfg, world)
             cfg = replace(cfg, dist_timeout=timeout)
-        trainers, gens = dist.roles(world, g, cfg.gen_share) if world > 1 else ([0], [])
+        trainers, gens = dist.roles(world, g, cfg.gen_share)
     except ValueError as e:
         fail(str(e))
     T, G, seq, BG = len(trainers), max(len(gens), 1), seq_len(cfg), cfg.batch_prompts * cfg.group_size
@@ -265,43 +249,20 @@ def plan(cfg):
     t, cols = timing(cfg, shape, world, T, G), columns(cfg, shape, world, T, seq)
     out.append(f"  model {P / 1e9:.2f}B parameters ({L} layers, hidden {H}, {nq}/{nkv} q/kv heads "
                f"x {hd}, vocab {V:,}{', tied' if tied else ''})")
-    # the table: a row per use, a column per role, the total and the verdict at GPU_GB; then what it assumes
-    full = kv * seq  # a full-length sequence's KV cache
-    off = "activations, act_ckpt " + ("off" if cfg.act_ckpt else "on")  # shown, not counted
+    full, taken = kv * seq, f"activations, act_ckpt {'on' if cfg.act_ckpt else 'off'}"
     totals = {c: counted(cfg, rows) for c, rows in cols.items()}
     # an engine holds at least one full-length sequence
     fits = [totals[c] <= GPU_GB * GB and rows.get("KV cache", full) >= full for c, rows in cols.items()]
     unit, u = ("GB", GB) if max(totals.values()) >= GB else ("MB", 1e6)
     out.append(f"  memory per GPU, {unit} ({GPU_GB} GB each)".ljust(40) + "".join(f"{c:>15}" for c in cols))
     for r in [*dict.fromkeys(r for rows in cols.values() for r in rows if r != SYNC), SYNC, "total"]:
-        out.append(f"    {r}{' *' * (r.startswith('activations') and r != off)}".ljust(40) + "".join(
+        out.append(f"    {r}{' *' * (r == taken)}".ljust(40) + "".join(
             f"{(totals[c] if r == 'total' else rows[r]) / u:>15.1f}" if r in rows or r == "total" else f"{'-':>15}"
             for c, rows in cols.items()))
     out.append("    verdict".ljust(40) + "".join(f"{'fits' if f else 'does not fit':>15}" for f in fits))
     out.append(f"  * counted (--act_ckpt={cfg.act_ckpt}); micro-batches of {max(cfg.micro_batch_tokens, seq):,} tokens"
                + (f"\n    (--micro_batch_tokens={cfg.micro_batch_tokens:,} holds no full sequence: a longer one is a "
                   "micro-batch of its own)" if cfg.micro_batch_tokens < seq else ""))
-    vllm = world > 1 and cfg.engine == "vllm"
-    out.append(f"  KV cache {full / u:.2f} {unit} per full-length sequence: " + (
-        f"a generator's holds {cols['generators']['KV cache'] / full:.0f} (vLLM's share less its weights) of its "
-        f"{t['flight']}\n    completions in flight; vLLM pages the cache, queues the rest" if vllm
-        else f"each engine allocates --slots={cfg.slots}"))
-    receive = ("receives one at a time,\n    into a buffer vLLM's engine core shares; one reload of its weights per "
-               "version" if cfg.engine == "vllm" else "receives one at a time" if cfg.off_policy == "ppo"
-               else "receives them into its engine's parameters")
-    out.append("  weight sync: " + (f"{cfg.sync_bucket_mb:,} MB buckets, two on trainer 0 (one packed, one in flight); "
-                                    f"a generator {receive}" if world > 1 else "the engines load the gathered weights"))
-    if vllm:
-        out.append(f"  vLLM's share {vllm_share(cfg, shape) / GB:.1f} GB (--gpu_memory_utilization="
-                   f"{cfg.gpu_memory_utilization}, less where the rows beside it need more); beside it\n    "
-                   f"{sum(vllm_offshare_rows(cfg, shape).values()) / GB:.2f} GB (each a row below the KV cache), "
-                   f"{GPU_GB - totals['generators'] / GB:.2f} GB of {GPU_GB} to spare")
-    if world > 1:  # a preempted run finishes its step, then every trainer rank writes its shard (infra/rundir.py)
-        out.append(f"  preemption: a checkpoint is {12 * P / 1e9:.0f} GB (fp32 weights and AdamW's m, v), "
-                   f"{12 * P / T / 1e9:.1f} GB per trainer rank; give torchrun\n    --shutdown-timeout one step and "
-                   "that write (its default: 30 s, then SIGKILL), and\n    "
-                   "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 to forward SIGUSR1 (by default it kills "
-                   "torchrun itself)")
     if g and not cfg.gen_ranks and g != len(dist.roles(world, 0, cfg.gen_share)[1]):
         out.append(f"  generator ranks: {g}, not --gen_share's: the most whose trainer ranks fit {GPU_GB} GB GPUs")
     elif world > 1 and not all(fits[:-1]):  # a trainer column does not fit
@@ -309,6 +270,17 @@ def plan(cfg):
         out.append(f"  the trainer ranks do not fit: --gen_ranks={g} gives {world - g} trainer ranks, which do" if g
                    else "  the trainer ranks do not fit with any split of this world: more GPUs, or a smaller "
                         "--micro_batch_tokens")
+    out.append(f"  KV cache {full / u:.2f} {unit} per full-length sequence: " + (
+        f"a generator's holds {cols['generators']['KV cache'] / full:.0f} (vLLM's share less its weights) of its "
+        f"{t['flight']}\n    completions in flight; vLLM pages the cache, queues the rest; vLLM's share "
+        f"{vllm_share(cfg, shape) / GB:.1f} GB\n    (--gpu_memory_utilization={cfg.gpu_memory_utilization}, less where "
+        f"the rows beside it need more), {GPU_GB - totals['generators'] / GB:.2f} GB of {GPU_GB} to spare"
+        if world > 1 and cfg.engine == "vllm" else f"each engine allocates --slots={cfg.slots}"))
+    receive = ("receives one at a time,\n    into a buffer vLLM's engine core shares; one reload of its weights per "
+               "version" if cfg.engine == "vllm" else "receives one at a time" if cfg.off_policy == "ppo"
+               else "receives them into its engine's parameters")
+    out.append("  weight sync: " + (f"{cfg.sync_bucket_mb:,} MB buckets, two on trainer 0 (one packed, one in flight); "
+                                    f"a generator {receive}" if world > 1 else "the engines load the gathered weights"))
     if cfg.engine == "vllm" and cfg.interrupt:  # vLLM cannot append to a running request (infra/vllm_engine.py)
         n = cfg.max_prompt + cfg.think_max
         out.append(f"  interruption: vLLM resubmits the request with the phrase; after a weight update its up to {n:,} "
@@ -318,12 +290,17 @@ def plan(cfg):
                f"completion {MEAN_LEN:.0%} of the longest):\n    trainer step {t['step']:,.0f} s, of which the "
                f"{'FP32' if cfg.fp32_head else 'LM'} head {t['head']:,.0f} s ({t['head'] / t['step']:.0%} of the "
                "step's time)")
-    if world > 1:
+    if world > 1:  # a preempted run finishes its step, then every trainer rank writes its shard (infra/rundir.py)
         out += [f"    generation {t['generation']:,.0f} s a step over {G} generators, first group "
                 f"{t['first_group']:,.0f} s, held-out evaluation {t['evaluation']:,.0f} s\n    (--eval_share="
                 f"{cfg.eval_share} of the slots, interleaved with rollouts; every {cfg.eval_every} steps = "
                 f"{cfg.eval_every * max(t['step'], t['generation']):,.0f} s)",
                 f"  time-outs: --dist_timeout={cfg.dist_timeout:,.0f} s " + (
                     f"refused at start: {problem}" if problem else f"covers {MARGIN} x the longest work a wait covers "
-                    f"({max(t['step'], t['generation'], t['first_group']):,.0f} s)")]
+                    f"({max(t['step'], t['generation'], t['first_group']):,.0f} s)"),
+                f"  preemption: a checkpoint is {12 * P / 1e9:.0f} GB (fp32 weights and AdamW's m, v), "
+                f"{12 * P / T / 1e9:.1f} GB per trainer rank; give torchrun\n    --shutdown-timeout one step and "
+                "that write (its default: 30 s, then SIGKILL), and\n    "
+                "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 to forward SIGUSR1 (by default it kills "
+                "torchrun itself)"]
     return "\n".join(out)

@@ -1,20 +1,12 @@
 """The code sandbox: runs untrusted programs against stdin/stdout tests, confined by the kernel, or not at all.
 
-`check_program` never raises and passes a program only if every test's output matches. Each runs in a fresh
-`python -I -S` with an empty environment in a temporary directory, removed after, in network, PID and IPC namespaces
-of its own (no network; signals reach only the check's own processes; whatever it leaves running, and any SysV IPC
-object it made, dies with the check), with a session keyring of its own, as root under a uid of its own whose kernel
-keys are cleared after. Landlock, where the kernel has it, keeps every system call from writing a file or reading
-one outside the standard library. A test is killed past `time_limit` seconds, a process by the kernel past that and
-2 s of CPU time (whole seconds), and a check dies with the process that started it. Limits: 512 MB of address space a
-process, at most 3 processes or threads a program (1.5 GB a check), output, file size, open files. Without
-namespaces code tasks are refused (`sandbox_mode` is None, and `sandbox_description` says how to enable them; a
-fault while finding out is no verdict). The audit hook inside makes ordinary attempts (files, sockets, subprocesses,
-signals) fail at once; it is a tripwire, not a boundary (PEP 578: a program can switch it off).
+`check_program` never raises and passes a program only if every test's output matches. What confines a program
+(namespaces, Landlock, a uid of its own, limits) and what each guarantee rests on: docs/sandbox.md.
 """
 import contextlib
 import functools
 import os
+import pathlib
 import queue
 import re
 import select
@@ -112,8 +104,7 @@ def _run_tests(program, tests, time_limit, mode):
         uid = 1_000_000 + os.getpid() % 4_000_000 * 64 + slot if own_uid else -1
         cleanup.callback(_clear_keys, uid)  # once the check is gone, before its uid serves another
         box = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="scalerl-code-", ignore_cleanup_errors=True))
-        with open(os.path.join(box, "prog.py"), "w", encoding="utf-8") as f:
-            f.write(program)
+        pathlib.Path(box, "prog.py").write_text(program, encoding="utf-8")
         # each test's stdin and stdout: unnamed files, nothing a program could open by a path
         files = [cleanup.enter_context(tempfile.TemporaryFile(dir=box)) for _ in range(2 * len(tests))]
         for (stdin, _), f in zip(tests, files[::2]):
@@ -168,10 +159,7 @@ if landlock:  # system calls 444-446: landlock_create_ruleset, landlock_add_rule
         raise SystemExit("sandbox: Landlock failed: " + os.strerror(ctypes.get_errno()))
     os.close(ruleset)
     os.close(lib)
-    del abi, access, ruleset, lib, rule
-del ctypes, struct, libc
-for m in ("ctypes", "ctypes._endian", "_ctypes"):
-    sys.modules.pop(m, None)
+del ctypes, struct, libc, sys.modules["ctypes"], sys.modules["ctypes._endian"], sys.modules["_ctypes"]
 if uid >= 0:
     os.setgroups([])
     os.setresgid(uid, uid, uid)
@@ -200,18 +188,9 @@ for i in range(0, len(fds), 2):
         for fd, std in ((fds[i], 0), (fds[i + 1], 1), (null, 2)):
             os.dup2(fd, std)
         os.closerange(3, 1 << 16)
-        try:
-            exec(code, {"__name__": "__main__"})
-            rc = 0
-        except SystemExit as e:
-            rc = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
-        except BaseException:
-            rc = 1
-        try:
-            sys.stdout.flush()
-        except BaseException:
-            rc = 1
-        os._exit(rc & 255)
+        # then it leaves the loop and exits as `python prog.py` would: its exit code, stdout flushed
+        exec(code, {"__name__": "__main__"})
+        break
     # the test's end, or this check's grader's (stdin, a pipe only it writes to, closes): then the namespace's first
     # process exits, and the kernel kills the rest
     done = os.pidfd_open(pid)
@@ -241,11 +220,10 @@ def _clear_keys(uid):
     """A root run's check has no user namespace, so kernel keys its program added to its uid's keyrings would outlive
     it (`add_key`, `keyctl`): where /proc/key-users lists the uid, a process of that uid removes them."""
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        with open("/proc/key-users") as f:
-            users = [line.partition(":")[0].strip() for line in f]
-        if uid >= 0 and _KEYCTL and str(uid) in users:
+        # a line of /proc/key-users: "<uid>: <usage> ..."
+        if uid >= 0 and _KEYCTL and f"{uid}:" in pathlib.Path("/proc/key-users").read_text().split():
             subprocess.run([sys.executable, "-I", "-S", "-c", _CLEAR_KEYS, str(uid), str(_KEYCTL)], env={}, timeout=30,
-                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                           stdin=subprocess.DEVNULL, capture_output=True)
 
 
 def _stripped_lines(text):  # outputs compare line by line, trailing whitespace ignored
