@@ -1,14 +1,6 @@
-"""Where problems and models come from, and the checkers that need a process: importing it fills data.CHECKERS.
-
-- `load_problems`: val's ids and questions never appear in train, and the same arguments give the same split. A
-  user's mistake (an unknown source, option or column, a missing file or one of another type, a hub dataset not cached
-  offline, a bad reasoning-gym option) is a one-line ValueError that names the choices.
-- A math answer cell holds the answer, or a worked solution: MATH's last \\boxed{}; (**choice**: in any source but
-  "math") a GSM8K solution if it has "####": the number after the last one without commas, the text before it the
-  trace. Rows with a `tests` column are code: their stdin/stdout tests. A .json file is a list of records.
-- The checkers never raise and keep to their deadline: "math" (Math-Verify in a child process, killed past it), "rg:"
-  (the task's scorer; an exact match for problems made in another process), "code" (infra/sandbox.py).
-- `load_data` and `load_model` end the run with one line (`infra.fail`) on a user's mistake.
+"""Where problems and models come from (`load_data`, `load_model`: a user's mistake ends the run in one line), and the
+checkers that need a process: importing it fills data.CHECKERS with math, rg: and code. Its guarantees (the split, the
+answer cells, checkers that never raise) are listed in docs/own-model-and-data.md, "Prompt sources and rewards".
 """
 import atexit
 import dataclasses
@@ -118,8 +110,8 @@ def last_boxed(text):
 
 
 def _stdin_tests(cell):
-    """A DeepCoder/TACO `tests` cell (maybe JSON: a list of {input, output} or [input, output], or a dict of inputs
-    and outputs lists) as a code answer, JSON [[stdin, stdout], ...], without function tests; None if none."""
+    """A DeepCoder/TACO `tests` cell ([{input, output}], [[input, output]] or {inputs, outputs}, maybe as JSON) as a
+    code answer, JSON [[stdin, stdout], ...], function tests left out; None if none."""
     try:
         raw = json.loads(cell) if isinstance(cell, str) else cell
         if isinstance(raw, dict):  # "fn_name": a function's tests

