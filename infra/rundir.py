@@ -143,9 +143,8 @@ def training_template(tok, instruction):
 
 
 class Preemption:
-    """SIGTERM, SIGUSR1, SIGINT, SIGHUP (SLURM, Kubernetes, clouds) set `signal`; a second exits at once in one process,
-    is the same stop under torchrun (slurmd signals each process, torchrun forwards: elastic/agent/server/api.py:752).
-    Generator ranks generate until the trainer ends the job. Before the run started (nothing written) one stops it."""
+    """The stop signals set `signal`; a second exits at once in one process, is the same stop under torchrun (slurmd
+    signals each process, torchrun forwards: elastic/agent/server/api.py:752). Before the run started: an exit."""
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
     started = False  # set by Log.open on the trainer ranks, by run.generator_rank on the others
 
@@ -307,7 +306,6 @@ class Log:
         text = "".join(json.dumps(r) + "\n" for r in rows)
         write_atomic(self.path, lambda tmp: pathlib.Path(tmp).write_text(text), len(text))
         self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
-        # config.json: options, versions, git hash (None without git), ranks, and a history entry per (re)start
         modules = ["torch", "transformers"] + ["vllm"] * (cfg.engine == "vllm")
         git = subprocess.run("git rev-parse --short HEAD", shell=True, capture_output=True, text=True,
                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
@@ -335,7 +333,6 @@ class Log:
               f"{'PipelineRL' if cfg.off_policy == 'pipeline' else 'PPO-off-policy'}-{cfg.max_lag}, "
               f"{cfg.decode_per_step} decode steps per train step | engine {cfg.engine}, {cfg.slots} slots | "
               f"{torch.get_num_threads()} CPU thread(s)")
-        # which protections the code sandbox has on this machine (Landlock, namespaces, uids)
         if "code" in tasks:
             print(f"  code sandbox: {sandbox_description()}")
         if job.world > 1:
@@ -386,7 +383,6 @@ class Log:
                    train_tokens=stats["n_tokens"], lr=stats["lr"], dt=dt, sync_s=self.timers["sync_s"],
                    skipped_nonfinite=int(not stats["finite"]), reward_errors=gen["reward_errors"],
                    bad_prompts=gen["bad_prompts"])
-        # with several tasks: the mean reward of each task's completions
         for t in dict.fromkeys(self.task_of.values()):
             if mine := [s.reward for s in samples if self.task_of[s.prompt_id] == t]:
                 row[f"reward_{t}"] = np.mean(mine)
