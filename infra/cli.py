@@ -1,11 +1,6 @@
-"""infra/cli.py: the command line, read and checked once; past parse_args every option is valid.
-
-- Options are the config dataclass's fields, typed by its annotations: --name=value, --name value, --name-with-dashes;
-  a bool alone (--flag) is true, or takes 1/0, true/false, yes/no. The last one given wins.
-- --help: the presets, then every option's default and its comment in the dataclass source, by `# section`.
-- --config NAME starts from a preset (a --model other than "tiny" from "hub"); options given win, in any order.
-- --resume, --eval_only or --export of an existing run start from its config.json; only RESUMABLE options may differ.
-- Every bad input exits with code 2 and one line on stderr, "error: ...", naming the option.
+"""infra/cli.py: the command line, read and checked once; past parse_args every option is valid, and every bad input
+has exited with code 2 and one line naming the option. The syntax, presets and what a resume may change:
+docs/own-model-and-data.md.
 """
 import argparse
 from dataclasses import asdict, fields
@@ -32,8 +27,7 @@ CHOICES = dict(dtype=("float32", "bfloat16"), engine=("torch", "vllm"), off_poli
 # the numeric options' ranges: what a valid value is -> (its test, the options); NaN fails every test
 BOUNDS = {"positive": (lambda v: v > 0, "max_steps eval_every eval_prompts eval_samples ckpt_every n_layer n_embd "
                         "n_head n_train sft_batch batch_prompts group_size think_min answer_budget slots "
-                        "micro_batch_tokens max_nonfinite max_prompt sync_bucket_mb"),
-          "> 0": (lambda v: v > 0, "lr temperature eps_max grad_clip"),
+                        "micro_batch_tokens max_nonfinite max_prompt sync_bucket_mb lr temperature eps_max grad_clip"),
           ">= 0": (lambda v: v >= 0, "sft_steps warmup_steps decode_per_step threads gen_ranks dist_timeout"),
           ">= 0, or -1 for --seed's": (lambda v: v >= -1, "rl_seed"),
           "in (0, 1]": (lambda v: 0 < v <= 1, "gpu_memory_utilization npr_threshold eval_share"),
@@ -42,7 +36,7 @@ BOUNDS = {"positive": (lambda v: v > 0, "max_steps eval_every eval_prompts eval_
 
 
 def parse_args(argv, config_cls, presets):
-    """A checked config_cls from --config NAME and --key=value words (see the module docstring)."""
+    """A checked config_cls from --config NAME and --key=value words."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, argument_default=argparse.SUPPRESS)
     # argparse's complaints ("argument --lr: invalid float value: 'fast'") in one line
     parser.error = lambda message: fail(f"{message.removeprefix('argument ')} (see --help)")

@@ -1,15 +1,6 @@
-"""infra/rundir.py: the run directory, out/<run>/, kept by trainer rank 0 (checkpoint shards by every trainer rank).
-
-What it guarantees:
-- One live run per directory: an exclusive flock on out_dir/.lock (the file names the pid) taken before anything is
-  written, released by the OS however the process ends; a fresh start refuses a directory that holds a run.
-- Files are replaced atomically: a kill at any moment leaves the last good ckpt.pt, config.json, hf/ or shards-<step>/
-  (under torchrun ckpt.pt is written last, naming a complete set of shards).
-- A write failing for lack of space or permission ends the run with one line (path, bytes needed, free); what was
-  written before stays intact, so --resume continues once it is fixed.
-- metrics.jsonl is append-only, one unbuffered write per row; a resume cuts it back to its checkpoint's step.
-- A checkpoint that is unreadable, foreign, or does not fit the run's options ends the run with one line.
-- SIGTERM/SIGUSR1 (what schedulers send before a kill) make the run finish its step, checkpoint and exit resumable.
+"""infra/rundir.py: the run directory, out/<run>/, kept by trainer rank 0 (checkpoint shards by every trainer rank):
+its lock, atomic writes, checkpoints, metrics.jsonl and --tracker, the progress lines, the stop on SIGTERM. What it
+guarantees (one live run per directory, a kill leaves the last good files, a full disk is one line): docs/faults.md.
 """
 import contextlib
 import copy
@@ -112,11 +103,6 @@ def write_atomic(path, write, nbytes=0):
         write_failed(path, e, nbytes)
 
 
-def tensor_bytes(obj):
-    """Bytes of the tensors in a nest of dicts, lists and tuples: what saving it needs, roughly."""
-    return sum(t.nbytes for t in tree_leaves(obj) if torch.is_tensor(t))
-
-
 def export_hf(cfg, model, tok, weights):
     """The policy in the body dtype with its tokenizer, as a Hugging Face model directory out_dir/hf (vLLM reads it);
     the tokenizer's chat template gives the prompt the policy was trained on (training_template)."""
@@ -132,7 +118,7 @@ def export_hf(cfg, model, tok, weights):
         # save_pretrained names the model's dtype (the fp32 masters'); the weights are in the body dtype
         conf = pathlib.Path(tmp, "config.json")
         conf.write_text(json.dumps({**json.loads(conf.read_text()), "dtype": cfg.dtype}, indent=2))
-    write_atomic(path, write, tensor_bytes(weights))
+    write_atomic(path, write, sum(t.nbytes for t in weights.values()))
     return path
 
 
@@ -157,9 +143,8 @@ def training_template(tok, instruction):
 
 
 class Preemption:
-    """SIGTERM, SIGUSR1, SIGINT, SIGHUP (SLURM, Kubernetes, clouds) set `signal`; a second exits at once in one process,
-    is the same stop under torchrun (slurmd signals each process, torchrun forwards: elastic/agent/server/api.py:752).
-    Generator ranks generate until the trainer ends the job. Before the run started (nothing written) one stops it."""
+    """The stop signals set `signal`; a second exits at once in one process, is the same stop under torchrun (slurmd
+    signals each process, torchrun forwards: elastic/agent/server/api.py:752). Before the run started: an exit."""
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
     started = False  # set by Log.open on the trainer ranks, by run.generator_rank on the others
 
@@ -233,7 +218,8 @@ def save_checkpoint(cfg, step, clock, source, job, policy, opt):
             write_failed(where, e if isinstance(e, OSError) else OSError(errno.EIO, first_line(e)))
         if job.rank != 0:
             return
-    write_atomic(os.path.join(cfg.out_dir, "ckpt.pt"), lambda tmp: torch.save(ckpt, tmp), tensor_bytes(ckpt))
+    nbytes = sum(t.nbytes for t in tree_leaves(ckpt) if torch.is_tensor(t))
+    write_atomic(os.path.join(cfg.out_dir, "ckpt.pt"), lambda tmp: torch.save(ckpt, tmp), nbytes)
     # shards no checkpoint names any more
     for old in os.listdir(cfg.out_dir):
         if old.startswith("shards-") and old != ckpt.get("shards"):
@@ -320,7 +306,6 @@ class Log:
         text = "".join(json.dumps(r) + "\n" for r in rows)
         write_atomic(self.path, lambda tmp: pathlib.Path(tmp).write_text(text), len(text))
         self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
-        # config.json: options, versions, git hash (None without git), ranks, and a history entry per (re)start
         modules = ["torch", "transformers"] + ["vllm"] * (cfg.engine == "vllm")
         git = subprocess.run("git rev-parse --short HEAD", shell=True, capture_output=True, text=True,
                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
@@ -348,7 +333,6 @@ class Log:
               f"{'PipelineRL' if cfg.off_policy == 'pipeline' else 'PPO-off-policy'}-{cfg.max_lag}, "
               f"{cfg.decode_per_step} decode steps per train step | engine {cfg.engine}, {cfg.slots} slots | "
               f"{torch.get_num_threads()} CPU thread(s)")
-        # which protections the code sandbox has on this machine (Landlock, namespaces, uids)
         if "code" in tasks:
             print(f"  code sandbox: {sandbox_description()}")
         if job.world > 1:
@@ -399,7 +383,6 @@ class Log:
                    train_tokens=stats["n_tokens"], lr=stats["lr"], dt=dt, sync_s=self.timers["sync_s"],
                    skipped_nonfinite=int(not stats["finite"]), reward_errors=gen["reward_errors"],
                    bad_prompts=gen["bad_prompts"])
-        # with several tasks: the mean reward of each task's completions
         for t in dict.fromkeys(self.task_of.values()):
             if mine := [s.reward for s in samples if self.task_of[s.prompt_id] == t]:
                 row[f"reward_{t}"] = np.mean(mine)
