@@ -159,7 +159,9 @@ if landlock:  # system calls 444-446: landlock_create_ruleset, landlock_add_rule
         raise SystemExit("sandbox: Landlock failed: " + os.strerror(ctypes.get_errno()))
     os.close(ruleset)
     os.close(lib)
-del ctypes, struct, libc, sys.modules["ctypes"], sys.modules["ctypes._endian"], sys.modules["_ctypes"]
+del ctypes, struct, libc
+for m in ("ctypes", "ctypes._endian", "_ctypes"):
+    sys.modules.pop(m, None)
 if uid >= 0:
     os.setgroups([])
     os.setresgid(uid, uid, uid)
