@@ -22,6 +22,20 @@ CHUNK = inspect.signature(losses.token_logprobs).parameters["chunk"].default  # 
 # its longest (the paper kept truncation under 5%); a wait must last MARGIN times the work it waits for.
 BF16_FLOPS, FP32_FLOPS, HBM_BYTES_S, MFU, BW_UTIL, MEAN_LEN, MARGIN = 989e12, 67e12, 3.35e12, 0.4, 0.5, 0.5, 2
 SYNC = "weight-sync buffers"  # the last row before the total
+# What only a GPU shows, constants until one measures them (docs/gpus.md): a CUDA context (as infra.vllm_engine's); an
+# NCCL communicator's buffers with NVLS on, about 1.6 GB each (github.com/NVIDIA/nccl/issues/864; NVLS is NCCL's default
+# on NVSwitch nodes); a trainer's margin for the allocator's fragmentation, a share of its rows (a choice: its segments
+# are expandable, PYTORCH_CUDA_ALLOC_CONF set by infra.run.start); NVLink's and a 400 Gb/s NIC's reduce-scatter bus
+# bandwidth per GPU (nccl-tests' busbw on H100 nodes of 8); weight-sync bytes a second into a paused vLLM engine (a
+# choice: a review's 5-10 s for an 8B version, sync_s on a GPU says).
+CUDA_CONTEXT, NCCL_COMM, FRAGMENTATION, NODE, NVLINK_BYTES_S, NIC_BYTES_S, RELOAD_BYTES_S = \
+    1 << 29, 1.6e9, 0.05, 8, 360e9, 45e9, 2.5e9
+# bytes a position of a micro-batch hands to the device (trainer.policy_gradient: int32 ids, bool attention, loss mask
+# and fresh flags, fp32 generator logprobs and aggregation weights) and holds there (ids, attention as int64, loss mask
+# as fp32); a trainer rank's host copy of the step's batch (trainer.rollout_tensors: ids, logprobs, weights, versions
+# 4 bytes, masks 1) and its completions as Python lists (about 84 bytes a token); a token on the wire and in trainer
+# rank 0's inbox (infra.dist.pack: int32 ids, fp32 logprobs, int32 versions)
+TO_DEVICE, ON_DEVICE, HOST_BATCH, HOST_LISTS, WIRE = 15, 35, 18, 84, 12
 
 
 def model_shape(cfg):
@@ -63,18 +77,29 @@ def trainer_activations(shape, tokens, seq, ckpt, b, fp32_head=True):
     return body + (CHUNK * V * 4 if fp32_head else 3 * tokens * V * 4)
 
 
-def trainer_rows(cfg, shape, T, seq):
-    """A trainer GPU (infra.dist.shard: FSDP2 over T ranks, or over one for the mixed precision of a body below fp32).
-    A sequence longer than the micro-batch is a micro-batch of its own (trainer.micro_batches)."""
+def trainer_rows(cfg, shape, T, seq, comms=0, defer=False):
+    """A trainer GPU (infra.dist.shard: FSDP2 over T ranks, or over one for the mixed precision of a body below fp32)
+    with `comms` NCCL communicators; `defer`: gradients reduce-scattered once a step (dist.shard's defer_sync). A
+    sequence longer than the micro-batch is a micro-batch of its own (trainer.micro_batches)."""
     P, layer, root, b, hb, _ = sizes(cfg, shape)
     fsdp, tokens, VH = T > 1 or b < 4, max(cfg.micro_batch_tokens, seq), shape[6] * shape[1]
+    head = hb * VH * (not shape[7])  # an untied head: a unit of its own
     return {"parameters (fp32 master)": 4 * P / T, "gradients (fp32)": 4 * P / T,  # sharded, as AdamW's m, v
             "optimizer state (AdamW m, v)": 8 * P / T,
             # a unit computing (a decoder layer, or the root) unsharded in the body dtype, two at once (prefetch);
             # the head (its own unit, or the tied embedding upcast by token_logprobs) and its gradient, head dtype
             "unsharded units (FSDP2)": fsdp * 2 * b * max(layer, root) + (1 + fsdp) * hb * VH,
             "activations, act_ckpt on": trainer_activations(shape, tokens, seq, True, b, cfg.fp32_head),
-            "activations, act_ckpt off": trainer_activations(shape, tokens, seq, False, b, cfg.fp32_head)}
+            "activations, act_ckpt off": trainer_activations(shape, tokens, seq, False, b, cfg.fp32_head),
+            # the largest unit's gradient copied into reduce-scatter's fp32 input, beside its output, while the next
+            # layer is gathered into all-gather's output (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:
+            # foreach_reduce, foreach_all_gather)
+            "FSDP2 gather/reduce staging": fsdp * (4 * max(layer, root, head / hb) * (1 + 1 / T) + b * layer),
+            # set_requires_gradient_sync(False) until the last micro-batch: each unit accumulates its whole fp32
+            # gradient (torch 2.13 _fsdp_param.py: unsharded_accumulated_grad)
+            "unsharded fp32 grads (deferred)": defer * 4 * P,
+            "batch tensors (a micro-batch)": tokens * ON_DEVICE,
+            "CUDA context, this process": CUDA_CONTEXT, "NCCL buffers": comms * NCCL_COMM}
 
 
 def engine_rows(cfg, shape, seq):
@@ -119,21 +144,34 @@ def vllm_share(cfg, shape):
     return min(cfg.gpu_memory_utilization * GPU_GB * GB, GPU_GB * GB - sum(vllm_offshare_rows(cfg, shape).values()))
 
 
-def columns(cfg, shape, world, T, seq):
+def margin(cfg, rows):
+    """`rows` and the allocator's margin for the trainer's part of them (an engine allocates its own once)."""
+    return {**rows, "margin": FRAGMENTATION * counted(cfg, {r: v for r, v in rows.items() if "engine" not in r
+                                                            and r != "KV cache"})}
+
+
+def columns(cfg, shape, world, T, seq, defer=None):
     """{GPU role: {row: bytes}}. One process holds the trainer and the rollout and evaluation engines, which load the
     trainer's weights as they hold them (trainer.Policy.state: an fp32 body is not copied). Under torchrun the
-    generators evaluate, and the weights travel in buckets (infra.dist; docs/torchrun.md)."""
+    generators evaluate, and the weights travel in buckets (infra.dist; docs/torchrun.md). `defer` None: the plan's
+    choice, gradients reduce-scattered once a step where trainer rank 0 holds them unsharded too (defer_sync)."""
     (P, _, _, b, hb, _), (_, H, I, _, _, _, V, tied) = sizes(cfg, shape), shape
-    train, engine = trainer_rows(cfg, shape, T, seq), engine_rows(cfg, shape, seq)
+    if defer is None:
+        defer = T > 1 and counted(cfg, columns(cfg, shape, world, T, seq, True)["trainer 0"]) <= GPU_GB * GB
+    # NCCL communicators: the trainer group's on every trainer rank, the weights group's on trainer rank 0
+    train = trainer_rows(cfg, shape, T, seq, T > 1, defer)
+    engine = engine_rows(cfg, shape, seq)
     if world == 1:
-        return {"GPU 0": {**train, **{k: 2 * v for k, v in engine.items()}, SYNC: engine["engine weights"] * (b < 4)}}
+        return {"GPU 0": margin(cfg, {**train, **{k: 2 * v for k, v in engine.items()},
+                                      SYNC: engine["engine weights"] * (b < 4)})}
     # trainer rank 0 packs bucket i into reused buffer i % 2, each as large as the largest it held (an untied fp32
     # head's, 2.49 GB at 8B), beside the largest tensor gathered in its dtype (that head, or an embedding or MLP)
     runs = bucket_bytes(cfg, shape)
     largest = max(V * H * (b if tied else hb), 3 * H * I * b)
-    cols = {"trainer 0": {**train, SYNC: max(runs[::2]) + max(runs[1::2] or [0]) + largest}}
+    cols = {"trainer 0": margin(cfg, {**train, "NCCL buffers": (1 + (T > 1)) * NCCL_COMM,
+                                      SYNC: max(runs[::2]) + max(runs[1::2] or [0]) + largest})}
     if T > 1:
-        cols[f"trainer{'s 1-' if T > 2 else ' '}{T - 1}"] = {**train, SYNC: 0.0}
+        cols[f"trainer{'s 1-' if T > 2 else ' '}{T - 1}"] = margin(cfg, {**train, SYNC: 0.0})
     # the PyTorch engine receives each bucket into its parameters; a PPO-off-policy version that is not loaded, into
     # one buffer as large as the largest bucket (whole units: the fp32 head is one of its own, 2.49 GB at 8B)
     cols["generators"] = {**engine, SYNC: max(runs) * (cfg.off_policy == "ppo")}
@@ -164,6 +202,16 @@ def fitting_gen_ranks(cfg, world, gpu_gb=GPU_GB):
         cfg, columns(cfg, shape, world, world - g, seq_len(cfg))["trainer 0"]) <= gpu_gb * GB), 0)
 
 
+def head_flops(cfg, V, H):
+    """FLOPs a trained token costs in the LM head (see timing)."""
+    return (8 if cfg.fp32_head else 6) * V * H
+
+
+def version_bytes(cfg, shape):
+    """The bytes of one policy version as the generators receive it (every weight bucket)."""
+    return sum(bucket_bytes(cfg, shape))
+
+
 def timing(cfg, shape, world, T, G):
     """Estimated seconds of the work the job's waits cover (a trainer step and its head's part, one step's generation,
     the first group's, a held-out evaluation), and the completions one generator may hold at once (`flight`)."""
@@ -171,12 +219,16 @@ def timing(cfg, shape, world, T, G):
     BG, gen_len = cfg.batch_prompts * cfg.group_size, MEAN_LEN * (cfg.think_max + 24 + cfg.answer_budget)
     seq = MEAN_LEN * cfg.max_prompt + gen_len  # a completion's tokens, on average, and its prompt's
     # trainer: 6 FLOPs a parameter a token (8 recomputing the forward), causal attention over half the sequence, the
-    # head's 6VH in its own precision
+    # head's in its own precision: 8VH for the FP32 head (losses._FP32HeadLogprobs: the forward's logits, their
+    # recomputation in the backward, the hidden states' and the weight's gradients), 6VH for autograd's
     passes = 3 + cfg.act_ckpt
     body = 2 * passes * (P - V * H * (1 + (not tied))) + passes * 4 * L * nq * hd * seq / 2
     tokens = BG * seq / T
-    head = tokens * 6 * V * H / ((FP32_FLOPS if cfg.fp32_head else BF16_FLOPS) * MFU)
+    head = tokens * head_flops(cfg, V, H) / ((FP32_FLOPS if cfg.fp32_head else BF16_FLOPS) * MFU)
     step = tokens * body / (BF16_FLOPS * MFU) + head
+    # FSDP2 reduce-scatters the fp32 gradients after each micro-batch (or once a step, deferred): over NVLink within a
+    # node, a NIC's bandwidth across nodes; overlapped with the backward, so not added to the step
+    scatter = 4 * P * (T - 1) / T / (NVLINK_BYTES_S if T <= NODE else NIC_BYTES_S)
     # a generator's engine step reads its weights and the running sequences' KV cache: memory-bound decoding
     flight = min(cfg.slots, -(-(cfg.max_lag + 1) * BG // G))
     running = flight if world > 1 else min(cfg.slots, BG)
@@ -186,8 +238,11 @@ def timing(cfg, shape, world, T, G):
     tick = (weights + running * seq * kv_token) / (HBM_BYTES_S * BW_UTIL)
     # tokens a second over the generators; under torchrun an evaluation takes --eval_share of them, rollouts the rest
     rate, share = G * running / tick, cfg.eval_share
-    return dict(step=step, head=head, tick=tick, first_group=(cfg.think_max + 24 + cfg.answer_budget) * tick,
-                generation=BG * gen_len / (rate * (1 - share)),
+    first_group, generation = (cfg.think_max + 24 + cfg.answer_budget) * tick, BG * gen_len / (rate * (1 - share))
+    return dict(step=step, head=head, tick=tick, first_group=first_group, generation=generation,
+                scatter=scatter, micro_batches=-(-tokens // max(cfg.micro_batch_tokens, seq_len(cfg))),
+                # the first batch: a step's generation from cold, then the tail of its longest completion
+                first_batch=generation + first_group, pause=version_bytes(cfg, shape) / RELOAD_BYTES_S,
                 evaluation=cfg.eval_prompts * cfg.eval_samples * gen_len / (rate * share), flight=flight)
 
 
@@ -199,10 +254,12 @@ def settle(cfg, world, gpu_gb=GPU_GB):
     trainers, gens = dist.roles(world, g, cfg.gen_share)
     if shape is None:
         return g, cfg.dist_timeout or 1800.0, None
-    t = timing(cfg, shape, world, len(trainers), len(gens))
+    T, t = len(trainers), timing(cfg, shape, world, len(trainers), len(gens))
     what, longest = max({"a trainer step (a generator idles at the lag bound meanwhile)": t["step"],
                          "one step's generation (trainer rank 0 gathers the batch meanwhile)": t["generation"],
-                         "the first group (as long as its longest completion)": t["first_group"]}.items(),
+                         "the first group (as long as its longest completion)": t["first_group"],
+                         "the first batch (trainer ranks 1.. wait for it in share())": t["first_batch"] * (T > 1)
+                         }.items(),
                         key=lambda x: x[1])
     timeout = cfg.dist_timeout or max(1800.0, round(MARGIN * longest, -2) + 100)
     cycle = cfg.eval_every * max(t["step"], t["generation"])
@@ -253,7 +310,7 @@ def plan(cfg):
     totals = {c: counted(cfg, rows) for c, rows in cols.items()}
     # an engine holds at least one full-length sequence
     fits = [totals[c] <= GPU_GB * GB and rows.get("KV cache", full) >= full for c, rows in cols.items()]
-    unit, u = ("GB", GB) if max(totals.values()) >= GB else ("MB", 1e6)
+    unit, u = ("GB", GB) if max(totals.values()) >= 2 * GB else ("MB", 1e6)  # a CUDA context alone: MB
     out.append(f"  memory per GPU, {unit} ({GPU_GB} GB each)".ljust(40) + "".join(f"{c:>15}" for c in cols))
     for r in [*dict.fromkeys(r for rows in cols.values() for r in rows if r != SYNC), SYNC, "total"]:
         out.append(f"    {r}{' *' * (r == taken)}".ljust(40) + "".join(
@@ -262,7 +319,23 @@ def plan(cfg):
     out.append("    verdict".ljust(40) + "".join(f"{'fits' if f else 'does not fit':>15}" for f in fits))
     out.append(f"  * counted (--act_ckpt={cfg.act_ckpt}); micro-batches of {max(cfg.micro_batch_tokens, seq):,} tokens"
                + (f"\n    (--micro_batch_tokens={cfg.micro_batch_tokens:,} holds no full sequence: a longer one is a "
-                  "micro-batch of its own)" if cfg.micro_batch_tokens < seq else ""))
+                  "micro-batch of its own)" if cfg.micro_batch_tokens < seq else "")
+               + f"\n    the verdict counts a margin of {FRAGMENTATION:.0%} of a trainer's rows for the allocator's fragmentation")
+    if world > 1:  # FSDP2's reduce-scatters: every micro-batch, or deferred to the last at the memory it takes
+        deferred = counted(cfg, columns(cfg, shape, world, T, seq, True)["trainer 0"])
+        out.append(f"  gradient sync: FSDP2 reduce-scatters {4 * P / GB:.1f} GB of fp32 gradients every micro-batch "
+                   f"({t['micro_batches']:.0f} a step,\n    {t['scatter']:.2f} s each over {T} trainer ranks), or once "
+                   f"a step, keeping them unsharded until the last (trainer 0: {deferred / GB:.1f} GB):\n    "
+                   + ("once a step, chosen" if cols["trainer 0"]["unsharded fp32 grads (deferred)"] else
+                      f"every micro-batch, chosen ({deferred / GB:.1f} GB is over {GPU_GB} GB)"))
+        # in host memory (mean lengths): the groups the lag bound admits, at most, in trainer rank 0's inbox (a prompt
+        # once a group), and a step's batch on each trainer rank
+        gen, prompt = MEAN_LEN * (cfg.think_max + 24 + cfg.answer_budget), MEAN_LEN * cfg.max_prompt
+        inbox = (cfg.max_lag + 1) * BG * (gen + prompt / cfg.group_size) * WIRE
+        batch = BG * (seq * HOST_BATCH + (gen + prompt) * HOST_LISTS)
+        out.append(f"  host memory: trainer rank 0's inbox up to {inbox / GB:.1f} GB ({WIRE} bytes a token), a step's "
+                   f"batch {batch / GB:.1f} GB on each trainer rank\n    (its tensors, {HOST_BATCH} bytes a position; "
+                   f"its completions as Python lists, about {HOST_LISTS} bytes a token)")
     if g and not cfg.gen_ranks and g != len(dist.roles(world, 0, cfg.gen_share)[1]):
         out.append(f"  generator ranks: {g}, not --gen_share's: the most whose trainer ranks fit {GPU_GB} GB GPUs")
     elif world > 1 and not all(fits[:-1]):  # a trainer column does not fit
@@ -281,6 +354,12 @@ def plan(cfg):
                else "receives them into its engine's parameters")
     out.append("  weight sync: " + (f"{cfg.sync_bucket_mb:,} MB buckets, two on trainer 0 (one packed, one in flight); "
                                     f"a generator {receive}" if world > 1 else "the engines load the gathered weights"))
+    if world > 1 and cfg.engine == "vllm":  # paused for a version's reload, or a version's buffer off the KV cache
+        version, held = version_bytes(cfg, shape), cols["generators"]["KV cache"]
+        pause, lost = t["pause"] / max(t["step"], t["generation"]), version / held
+        out.append(f"  vLLM paused {t['pause']:.1f} s a version (its {version / GB:.1f} GB reloaded bucket by bucket: "
+                   f"{pause:.1%} of a step), or a whole version's\n    buffer beside it ({lost:.0%} of the KV cache): "
+                   + ("paused, chosen" if pause <= lost else "a buffer would cost less; the engine pauses (built)"))
     if cfg.engine == "vllm" and cfg.interrupt:  # vLLM cannot append to a running request (infra/vllm_engine.py)
         n = cfg.max_prompt + cfg.think_max
         out.append(f"  interruption: vLLM resubmits the request with the phrase; after a weight update its up to {n:,} "
@@ -289,15 +368,18 @@ def plan(cfg):
     out.append(f"  time (estimated: H100 peaks at {MFU:.0%} MFU, decoding at {BW_UTIL:.0%} of HBM bandwidth, mean "
                f"completion {MEAN_LEN:.0%} of the longest):\n    trainer step {t['step']:,.0f} s, of which the "
                f"{'FP32' if cfg.fp32_head else 'LM'} head {t['head']:,.0f} s ({t['head'] / t['step']:.0%} of the "
-               "step's time)")
+               f"step's time, {head_flops(cfg, 1, 1)}VH FLOPs a token)")
     if world > 1:  # a preempted run finishes its step, then every trainer rank writes its shard (infra/rundir.py)
         out += [f"    generation {t['generation']:,.0f} s a step over {G} generators, first group "
                 f"{t['first_group']:,.0f} s, held-out evaluation {t['evaluation']:,.0f} s\n    (--eval_share="
                 f"{cfg.eval_share} of the slots, interleaved with rollouts; every {cfg.eval_every} steps = "
                 f"{cfg.eval_every * max(t['step'], t['generation']):,.0f} s)",
+                f"    first batch {t['first_batch']:,.0f} s (a step's generation from cold, then its longest completion)"
+                + (f"\n    against trainer ranks 1-{T - 1}'s wait in share(), {cfg.dist_timeout + 60:,.0f} s" if T > 1
+                   else ""),
                 f"  time-outs: --dist_timeout={cfg.dist_timeout:,.0f} s " + (
                     f"refused at start: {problem}" if problem else f"covers {MARGIN} x the longest work a wait covers "
-                    f"({max(t['step'], t['generation'], t['first_group']):,.0f} s)"),
+                    f"({max(t['step'], t['generation'], t['first_group'], t['first_batch'] * (T > 1)):,.0f} s)"),
                 f"  preemption: a checkpoint is {12 * P / 1e9:.0f} GB (fp32 weights and AdamW's m, v), "
                 f"{12 * P / T / 1e9:.1f} GB per trainer rank; give torchrun\n    --shutdown-timeout one step and "
                 "that write (its default: 30 s, then SIGKILL), and\n    "

@@ -8,11 +8,14 @@ from conftest import WITHOUT_VLLM, run_command, scalerl_command
 from infra import plan as planner
 
 ROWS = ("parameters (fp32 master)", "gradients (fp32)", "optimizer state (AdamW m, v)", "unsharded units (FSDP2)",
-        "activations, act_ckpt on", "activations, act_ckpt off", "engine weights", "KV cache",
-        # beside vLLM's share (infra.vllm_engine.outside_share)
-        "CUDA context, this process", "CUDA context, vLLM's engine core", "LM head made fp32 (net)",
-        "receive buffer (the largest bucket)", "reload's copy of the largest layer", "NCCL buffers", "margin",
-        "weight-sync buffers", "total")
+        "activations, act_ckpt on", "activations, act_ckpt off", "FSDP2 gather/reduce staging",
+        "unsharded fp32 grads (deferred)", "batch tensors (a micro-batch)",
+        # on every GPU (a vLLM generator: beside vLLM's share, infra.vllm_engine.outside_share)
+        "CUDA context, this process", "NCCL buffers", "margin", "engine weights", "KV cache",
+        "CUDA context, vLLM's engine core", "LM head made fp32 (net)", "receive buffer (the largest bucket)",
+        "reload's copy of the largest layer", "weight-sync buffers", "total")
+BESIDE = ("CUDA context, this process", "NCCL buffers", "margin", "CUDA context, vLLM's engine core",
+          "LM head made fp32 (net)", "receive buffer (the largest bucket)", "reload's copy of the largest layer")
 
 
 def plan(*argv):
@@ -34,7 +37,7 @@ def table(text, at=40, width=15):
     return rows, cells(lines[head]), rows.pop("verdict")
 
 
-@pytest.mark.parametrize("gpus, roles", [(8, ["trainer 0", "trainers 1-2", "generators"]),
+@pytest.mark.parametrize("gpus, roles", [(8, ["trainer 0", "trainers 1-3", "generators"]),
                                          (80, ["trainer 0", "trainers 1-15", "generators"])])
 def test_8b_plan_lists_every_row_and_a_verdict_per_role(gpus, roles):
     rows, names, verdicts = table(plan("--config=8b", f"--plan_gpus={gpus}"))
@@ -50,8 +53,9 @@ def test_act_ckpt_counts_the_checkpointed_activations():
     on, _, _ = table(plan("--config=8b", "--act_ckpt=true"))
     assert float(on["activations, act_ckpt on"][1]) < float(on["activations, act_ckpt off"][1]) / 10
     drop = float(off["total"][1]) - float(on["total"][1])
-    assert drop == pytest.approx(float(on["activations, act_ckpt off"][1]) - float(on["activations, act_ckpt on"][1]),
-                                 abs=0.2)
+    # the allocator's margin grows with them
+    assert drop == pytest.approx((float(on["activations, act_ckpt off"][1]) - float(on["activations, act_ckpt on"][1]))
+                                 * (1 + planner.FRAGMENTATION), abs=0.3)
 
 
 @pytest.mark.parametrize("argv", [("--config=8b", "--plan_gpus=2", "--gen_ranks=1"),  # 16 B/param on one GPU
@@ -100,26 +104,27 @@ def test_an_8b_generator_fits_its_gpu_with_every_row_beside_vllms_share():
     for gpus in (8, 80):
         text = plan("--config=8b", f"--plan_gpus={gpus}")
         rows, names, verdicts = table(text)
-        beside = sum(float(rows[r][-1]) for r in ROWS[8:15])
+        beside = sum(float(rows[r][-1]) for r in BESIDE)
         assert verdicts[-1] == "fits" and 7 < beside <= 8.0 + 0.05
         assert float(rows["engine weights"][-1]) + float(rows["KV cache"][-1]) == pytest.approx(72.0, abs=0.15)
         assert "vLLM's share 72.0 GB" in text and "GB of 80 to spare" in text
 
 
 def test_one_node_plans_the_split_the_run_takes():
-    """The paper's 80% generators leave 2 trainer ranks on 8 GPUs, which do not fit: the plan takes the split a GPU run
-    takes (infra.run.start through plan.settle), and names the one that fits where --gen_ranks asks for another."""
+    """The paper's 80% generators leave 2 trainer ranks on 8 GPUs, which do not fit (nor do 3 once the CUDA context,
+    NCCL's buffers, FSDP2's staging and the allocator's margin count): the plan takes the split a GPU run takes
+    (infra.run.start through plan.settle), and names the one that fits where --gen_ranks asks for another."""
     text = plan("--config=8b", "--plan_gpus=8")
-    assert "generator ranks 3-7 (5, engine vllm)" in text and "does not fit" not in text
-    assert "generator ranks: 5, not --gen_share's" in text
-    text = plan("--config=8b", "--plan_gpus=8", "--gen_ranks=6")
-    assert "does not fit" in text and "--gen_ranks=5 gives 3 trainer ranks, which do" in text
+    assert "generator ranks 4-7 (4, engine vllm)" in text and "does not fit" not in text
+    assert "generator ranks: 4, not --gen_share's" in text
+    text = plan("--config=8b", "--plan_gpus=8", "--gen_ranks=5")
+    assert "does not fit" in text and "--gen_ranks=4 gives 4 trainer ranks, which do" in text
     # --dry_run: the same options, vLLM installed or not
     cfg = scalerl.parse_args(["--config=8b", "--dry_run"])
-    assert planner.fitting_gen_ranks(cfg, 8) == 5 and planner.fitting_gen_ranks(cfg, 80) == 64
-    assert planner.fitting_gen_ranks(cfg, 8, gpu_gb=141) == 6  # an H200 node: 2 trainer ranks hold 97.6 GB each
+    assert planner.fitting_gen_ranks(cfg, 8) == 4 and planner.fitting_gen_ranks(cfg, 80) == 64
+    assert planner.fitting_gen_ranks(cfg, 8, gpu_gb=141) == 6  # an H200 node: 2 trainer ranks hold 113.6 GB each
     assert planner.fitting_gen_ranks(cfg, 2, gpu_gb=24) == 0  # no split fits
-    assert planner.settle(cfg, 8)[0] == 5 and planner.settle(cfg, 80)[0] == 64
+    assert planner.settle(cfg, 8)[0] == 4 and planner.settle(cfg, 80)[0] == 64
 
 
 @pytest.mark.parametrize("preset", ["8b", "8b_32k", "8b_batch2048"])
