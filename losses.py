@@ -171,8 +171,8 @@ class _FP32HeadLogprobs(torch.autograd.Function):
                 grad_b += g.sum(0)
             if grad_h is not None:
                 grad_h[c] = g @ wf
-            if grad_w is not None:
-                grad_w.addmm_(g.T, hc)
+            if grad_w is not None:  # in place, as out= (torch's FlopCounterMode counts addmm, not addmm_)
+                torch.addmm(grad_w, g.T, hc, out=grad_w)
         return (None if grad_h is None else grad_h.to(h.dtype), None if grad_w is None else grad_w.to(w.dtype),
                 None if grad_b is None else grad_b.to(w.dtype), None, None, None, None, None)
 

@@ -22,27 +22,31 @@ import losses
 WARM_START_VERSION = 1
 
 
-def sequence_batch(seqs, starts, pad_id):
-    """Right-padded (N, L) ids, (N, L) attention mask, and the (N, L-1) mask of trainable target positions."""
+def sequence_batch(seqs, starts, pad_id, dtypes=(torch.long, torch.long, torch.float)):
+    """Right-padded (N, L) ids, (N, L) attention mask, and the (N, L-1) mask of trainable target positions (dtypes)."""
     L = max(len(s) for s in seqs)
-    ids, att = torch.full((len(seqs), L), pad_id, dtype=torch.long), torch.zeros(len(seqs), L, dtype=torch.long)
+    ids, att = torch.full((len(seqs), L), pad_id, dtype=dtypes[0]), torch.zeros(len(seqs), L, dtype=dtypes[1])
     for i, s in enumerate(seqs):
         ids[i, :len(s)], att[i, :len(s)] = torch.tensor(s), 1
     tmask = (torch.arange(1, L)[None] >= torch.tensor(starts)[:, None]) & att[:, 1:].bool()
-    return ids, att, tmask.float()
+    return ids, att, tmask.to(dtypes[2])
 
 
-def rollout_tensors(samples, pad_id):
+# the narrowest dtypes of ids, attention and loss masks, versions: policy_gradient keeps the batch on the host in them
+NARROW = (torch.int32, torch.bool, torch.bool, torch.int32)
+
+
+def rollout_tensors(samples, pad_id, dtypes=(torch.long, torch.long, torch.float, torch.long)):
     """Trainer tensors for completions: ids/att (N, L); the loss mask, behaviour logprobs and the policy version that
     sampled each token (-1 off the completion) (N, L-1), aligned with the target positions. Forced interruption
     tokens stay in the context but are masked out of the loss (App. A.10)."""
     ids, att, tmask = sequence_batch([s.prompt_tokens + s.tokens for s in samples],
-                                     [len(s.prompt_tokens) for s in samples], pad_id)
-    gen_logp, versions = torch.zeros(tmask.shape), torch.full(tmask.shape, -1)
+                                     [len(s.prompt_tokens) for s in samples], pad_id, dtypes[:3])
+    gen_logp, versions = torch.zeros(tmask.shape), torch.full(tmask.shape, -1, dtype=dtypes[3])
     for i, s in enumerate(samples):
         P, n = len(s.prompt_tokens), len(s.tokens)
         gen_logp[i, P - 1:P - 1 + n], versions[i, P - 1:P - 1 + n] = torch.tensor(s.logprobs), torch.tensor(s.versions)
-        tmask[i, P - 1:P - 1 + n] *= 1 - torch.tensor(s.forced, dtype=torch.float)
+        tmask[i, P - 1:P - 1 + n] *= ~torch.tensor(s.forced, dtype=torch.bool)
     return ids, att, tmask, gen_logp, versions
 
 
@@ -99,30 +103,34 @@ def micro_batches(order, lengths, budget):
 
 def policy_gradient(policy, samples, adv, cfg, rank=0, world=1, version=-1):
     """Backward of the RL loss (Sec. 3.2) into .grad over token-budget micro-batches of every world-th completion by
-    length (whole-batch weights: the ranks' gradients add up). Returns loss, token-weighted sums, max ratio."""
+    length (whole-batch weights: the ranks' gradients add up). Returns loss, token-weighted sums, max ratio. The batch
+    stays on the host (NARROW); each micro-batch goes to the device as it is used, as the model takes it."""
     # the loss's options (eps_max; eps_low, eps_high) from cfg: a negative one keeps the loss's default
     opts = {k: getattr(cfg, k) for k in losses.DEFAULTS[cfg.loss] if getattr(cfg, k) >= 0}
     dev = next(policy.parameters()).device
-    ids, att, tmask, gen_logp, versions, adv = (t.to(dev) for t in (*rollout_tensors(samples, policy.pad_id), adv))
-    weights = losses.aggregation_weights(tmask, torch.tensor([s.group for s in samples], device=dev), how=cfg.agg)
+    ids, att, tmask, gen_logp, versions = rollout_tensors(samples, policy.pad_id, NARROW)
+    weights = losses.aggregation_weights(tmask, torch.tensor([s.group for s in samples]), how=cfg.agg)
     lengths = att.sum(1).tolist()
     order = sorted(range(len(samples)), key=lengths.__getitem__)
     plans = [micro_batches(order[r::world], lengths, cfg.micro_batch_tokens) for r in range(world)]
-    # the loss tokens sampled by these very weights: their mismatch is the kernels' (and an older KV cache's), not lag
-    fresh = (versions == version) & tmask.bool()
     policy.train()
     total, ratio_max, means = 0.0, 0.0, [k for k in losses.DIAGNOSTICS if k != "ratio_max"]
     sums = dict.fromkeys(("n_tokens", "fresh_tokens", "fresh_gap", *means), 0.0)
-    for i in range(max(map(len, plans))):
+    n = max(map(len, plans))
+    for i in range(n):
+        if getattr(policy, "defer_sync", False):  # FSDP2 reduce-scatters after the last pass only (infra.plan)
+            policy.set_requires_gradient_sync(i == n - 1)
         # FSDP2 ranks run the same number of passes: one with fewer adds a zero gradient
-        if i >= len(plans[rank]):
-            (policy(ids[:1], att[:1]).sum() * 0).backward()
-            continue
-        mb = plans[rank][i]
+        mb = plans[rank][i] if i < len(plans[rank]) else [0]
         L = lengths[mb[-1]]
-        logp, gen, f = policy(ids[mb, :L], att[mb, :L]), gen_logp[mb, :L - 1], fresh[mb, :L - 1]
-        loss, diag = losses.policy_loss(logp, gen, adv[mb], tmask[mb, :L - 1], weights[mb, :L - 1], loss=cfg.loss,
-                                        **opts)
+        logp = policy(ids[mb, :L].to(dev).long(), att[mb, :L].to(dev).long())
+        if i >= len(plans[rank]):
+            (logp.sum() * 0).backward()
+            continue
+        # the loss tokens sampled by these very weights: their mismatch is the kernels' (and an older KV cache's)
+        gen, w, f, a = (t.to(dev) for t in (gen_logp[mb, :L - 1], weights[mb, :L - 1],
+                                            (versions[mb, :L - 1] == version) & tmask[mb, :L - 1], adv[mb]))
+        loss, diag = losses.policy_loss(logp, gen, a, tmask[mb, :L - 1].to(dev).float(), w, loss=cfg.loss, **opts)
         loss.backward()
         total += loss.item()
         diag |= dict(fresh_tokens=int(f.sum()), fresh_gap=float(torch.where(f, (logp.detach() - gen).abs(), 0).sum()))

@@ -129,9 +129,35 @@ def share(job, obj, everyone=False):
 
 
 def send_groups(job, msg):
-    """Generator -> trainer rank 0 on the generator's own group, pickled (ranks trust each other)."""
+    """Generator -> trainer rank 0 on the generator's own group, pickled (ranks trust each other), each group packed."""
+    msg = msg and ([(kept, pack(g)) for kept, g in msg[0]], msg[1])
     with waiting_for(job, "trainer rank 0 to take rollouts", bound=True):
         dist.send_object_list([msg], dst=0, group=job.groups[job.rank])
+
+
+def pack(g):
+    """A group on the wire and in trainer rank 0's inbox: its Samples without their lists, the prompt once (a group's
+    completions share it), their tokens (int32), logprobs (fp32) and versions (int32; a forced token's ~version),
+    12 bytes a token against about 84 as Python lists (infra.plan.WIRE)."""
+    return ([replace(s, prompt_tokens=None, tokens=len(s.tokens), logprobs=None, versions=None, forced=None) for s in g],
+            *(torch.tensor(x, dtype=d) for x, d in ((g[0].prompt_tokens, torch.int32),
+                                                   ([t for s in g for t in s.tokens], torch.int32),
+                                                   ([x for s in g for x in s.logprobs], torch.float32),
+                                                   ([~v if f else v for s in g for v, f in zip(s.versions, s.forced)],
+                                                    torch.int32))))
+
+
+def unpack(packed):
+    """pack's group as Samples with lists again (the trainer's batch: trainer.rollout_tensors)."""
+    shells, prompt, tokens, logprobs, versions = packed
+    out, end = [], 0
+    for s in shells:
+        i, end = end, end + s.tokens
+        v = versions[i:end]
+        out.append(replace(s, prompt_tokens=prompt.tolist(), tokens=tokens[i:end].tolist(),
+                           logprobs=logprobs[i:end].tolist(), versions=torch.where(v < 0, ~v, v).tolist(),
+                           forced=(v < 0).tolist()))
+    return out
 
 
 def buckets(named, limit):
@@ -188,16 +214,16 @@ class TrainerLink(BatchSource):
                 if box[0] is None:
                     return
                 self.info[src] = box[0][1]
-                for kept, g in box[0][0]:
-                    self.kept[g[0].group] = kept
+                for kept, g in box[0][0]:  # packed (pack) until the batch takes it
+                    self.kept[g[0][0].group] = kept
                     self.inbox.put(g)
         except Exception as e:  # noqa: BLE001 -- whatever it is, the main thread must hear of it and stop
             self.inbox.put(f"rollouts from generator rank {src}: {first_line(e)}")
 
     def next_batch(self):
         groups = self._collect(self.B if self.job.rank == 0 else 0, self._next_received)
-        kept = share(self.job, [g for g in groups if self.kept.pop(g[0].group)])
-        return self._batch(groups, kept)
+        kept = share(self.job, [pack(g) for g in groups if self.kept.pop(g[0].group)])
+        return self._batch(groups, [unpack(g) for g in kept])
 
     def _next_received(self, missing):
         try:
@@ -206,7 +232,7 @@ class TrainerLink(BatchSource):
             gave_up(self.job, f"rollouts from generator ranks {self.job.generators}")
         if isinstance(g, str):
             die(f"{self.job.name} lost {g}")
-        return g
+        return unpack(g)
 
     def _dropped(self):
         counter(self.job, "dropped", 1)
@@ -421,8 +447,10 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
     send_groups(job, None)  # trainer rank 0's receiver for this rank stops
 
 
-def shard(policy, layers, group, body_dtype=torch.float32):
-    """FSDP2 over `group`: each of `layers` a unit, the untied head a unit, the rest (embeddings, norm) the root."""
+def shard(policy, layers, group, body_dtype=torch.float32, defer=False):
+    """FSDP2 over `group`: each of `layers` a unit, the untied head a unit, the rest (embeddings, norm) the root.
+    `defer`: gradients reduce-scattered after a step's last micro-batch only (trainer.policy_gradient)."""
+    policy.defer_sync = defer
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = DeviceMesh.from_group(group, next(policy.parameters()).device.type)

@@ -21,7 +21,7 @@ CHUNK = inspect.signature(losses.token_logprobs).parameters["chunk"].default  # 
 # bandwidth, at a share typical of FSDP training (MFU) and of memory-bound decoding; a completion's mean length half
 # its longest (the paper kept truncation under 5%); a wait must last MARGIN times the work it waits for.
 BF16_FLOPS, FP32_FLOPS, HBM_BYTES_S, MFU, BW_UTIL, MEAN_LEN, MARGIN = 989e12, 67e12, 3.35e12, 0.4, 0.5, 0.5, 2
-SYNC = "weight-sync buffers"  # the last row before the total
+SYNC, DEFERRED = "weight-sync buffers", "unsharded fp32 grads (deferred)"  # the last row before the total
 # What only a GPU shows, constants until one measures them (docs/gpus.md): a CUDA context (as infra.vllm_engine's); an
 # NCCL communicator's buffers with NVLS on, about 1.6 GB each (github.com/NVIDIA/nccl/issues/864; NVLS is NCCL's default
 # on NVSwitch nodes); a trainer's margin for the allocator's fragmentation, a share of its rows (a choice: its segments
@@ -97,7 +97,7 @@ def trainer_rows(cfg, shape, T, seq, comms=0, defer=False):
             "FSDP2 gather/reduce staging": fsdp * (4 * max(layer, root, head / hb) * (1 + 1 / T) + b * layer),
             # set_requires_gradient_sync(False) until the last micro-batch: each unit accumulates its whole fp32
             # gradient (torch 2.13 _fsdp_param.py: unsharded_accumulated_grad)
-            "unsharded fp32 grads (deferred)": defer * 4 * P,
+            DEFERRED: defer * 4 * P,
             "batch tensors (a micro-batch)": tokens * ON_DEVICE,
             "CUDA context, this process": CUDA_CONTEXT, "NCCL buffers": comms * NCCL_COMM}
 
@@ -181,6 +181,12 @@ def columns(cfg, shape, world, T, seq, defer=None):
         cols["generators"] = {"engine weights": b * P, "KV cache": max(0.0, vllm_share(cfg, shape) - b * P),
                               **vllm_offshare_rows(cfg, shape)}
     return cols
+
+
+def defers(cfg, world, T):
+    """Whether T trainer ranks (of `world` GPUs) reduce-scatter their gradients once a step (columns' choice)."""
+    shape = model_shape(cfg)
+    return bool(shape and T > 1 and columns(cfg, shape, world, T, seq_len(cfg))["trainer 0"][DEFERRED])
 
 
 def counted(cfg, rows):
@@ -326,7 +332,7 @@ def plan(cfg):
         out.append(f"  gradient sync: FSDP2 reduce-scatters {4 * P / GB:.1f} GB of fp32 gradients every micro-batch "
                    f"({t['micro_batches']:.0f} a step,\n    {t['scatter']:.2f} s each over {T} trainer ranks), or once "
                    f"a step, keeping them unsharded until the last (trainer 0: {deferred / GB:.1f} GB):\n    "
-                   + ("once a step, chosen" if cols["trainer 0"]["unsharded fp32 grads (deferred)"] else
+                   + ("once a step, chosen" if cols["trainer 0"][DEFERRED] else
                       f"every micro-batch, chosen ({deferred / GB:.1f} GB is over {GPU_GB} GB)"))
         # in host memory (mean lengths): the groups the lag bound admits, at most, in trainer rank 0's inbox (a prompt
         # once a group), and a step's batch on each trainer rank

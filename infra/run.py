@@ -47,6 +47,8 @@ def set_threads(cfg):
 
 def start(cfg):
     """(Dist, the checkpoint on rank 0 or None, the resume point or None on every rank)."""
+    # before CUDA starts: segments that grow in place, not a new one per size (infra.plan's margin assumes them)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     set_threads(cfg)
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
     # the run directory and ckpt.pt live on rank 0's node
@@ -180,7 +182,9 @@ def policy(cfg, job, model, tok):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
     pol = trainer.Policy(model, cfg.temperature, torch.float32 if cfg.fp32_head else body, tok.pad_token_id, body)
     if len(job.trainers) > 1 or body != torch.float32:
-        dist.shard(pol, trainer.decoder_layers(model), job.groups.get("trainer") or dist.local_group(), body)
+        from infra.plan import defers  # the plan's choice of when FSDP2 reduce-scatters
+        dist.shard(pol, trainer.decoder_layers(model), job.groups.get("trainer") or dist.local_group(), body,
+                   defers(cfg, job.world, len(job.trainers)))
     return pol, trainer.optimizer(cfg, pol)
 
 

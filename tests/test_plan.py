@@ -1,10 +1,17 @@
 """infra/plan.py, the --dry_run planner: every memory row and a verdict per GPU role, a configuration that cannot fit
 says so, the tiny default prints memory too, and the activation figures stay calibrated to bench/trainer_memory.py.
 In-process (scalerl.parse_args + infra.plan.plan) apart from one real `python scalerl.py --dry_run`."""
-import pytest
+import sys
 
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import losses
 import scalerl
+import trainer
 from conftest import WITHOUT_VLLM, run_command, scalerl_command
+from engine import Sample
 from infra import plan as planner
 
 ROWS = ("parameters (fp32 master)", "gradients (fp32)", "optimizer state (AdamW m, v)", "unsharded units (FSDP2)",
@@ -202,3 +209,48 @@ def test_a_split_that_leaves_no_trainer_is_one_line(capsys):
     with pytest.raises(SystemExit) as e:
         plan("--config=8b", "--plan_gpus=2", "--gen_ranks=5")
     assert e.value.code == 2 and "--gen_ranks=5 leaves no trainer rank in a world of 2" in capsys.readouterr().err
+
+
+def device_bytes_per_micro_batch(monkeypatch, prompts, budget=64):
+    """(bytes trainer.policy_gradient hands to .to(device), forward passes) for `prompts` groups of 4 completions of 16
+    tokens each (prompt and completion), micro-batches of `budget` tokens: every micro-batch alike."""
+    cfg = scalerl.Config(n_layer=1, n_embd=16, n_head=2, micro_batch_tokens=budget)
+    policy = trainer.Policy(trainer.tiny_model(cfg, 20), 1.0)
+    samples = [Sample(g, g, [3, 4, 5, 6], tokens=[7] * 12, logprobs=[-1.0] * 12, versions=[0] * 12,
+                      forced=[False] * 12, reward=float(i % 2)) for g in range(prompts) for i in range(4)]
+    adv = losses.group_advantages(torch.tensor([s.reward for s in samples]), torch.tensor([s.group for s in samples]))
+    moved, passes, real = [0], [], torch.Tensor.to
+
+    def to(self, *args, **kw):  # what policy_gradient itself hands to the device
+        code = sys._getframe(1).f_code
+        moved[0] += self.nbytes * (code.co_filename == trainer.__file__ and "policy_gradient" in code.co_qualname)
+        return real(self, *args, **kw)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    policy.register_forward_hook(lambda *_: passes.append(1))
+    trainer.policy_gradient(policy, samples, adv, cfg)
+    monkeypatch.undo()
+    return moved[0] / len(passes), len(passes)
+
+
+def test_a_micro_batch_hands_the_device_its_own_bytes_not_the_batch(monkeypatch):
+    """The batch stays on the host in its narrowest dtypes; each micro-batch goes to the device as it is used: 4x the
+    prompts at the same --micro_batch_tokens hand the device the same bytes a micro-batch, the plan's TO_DEVICE a
+    position (and 4 bytes a completion: its advantage)."""
+    one, passes = device_bytes_per_micro_batch(monkeypatch, 2)
+    four, passes4 = device_bytes_per_micro_batch(monkeypatch, 8)
+    assert passes == 2 and passes4 == 8  # 4 sequences of 16 tokens a micro-batch of 64
+    assert one == four == 4 * (16 * 5 + 15 * 10 + 4)  # ids int32 + attention bool; fp32 logprobs, weights; 2 bools
+    assert 0.9 * 64 * planner.TO_DEVICE < one <= 64 * planner.TO_DEVICE
+
+
+def test_the_fp32_head_costs_what_the_plan_counts():
+    """losses._FP32HeadLogprobs, forward and backward, measured by torch's FlopCounterMode: 8VH a token (the logits,
+    their recomputation, the hidden states' and the weight's gradients), the FLOPs the plan's step time takes."""
+    N, H, V = 96, 32, 50
+    h, w = torch.randn(N, H, requires_grad=True), torch.randn(V, H, requires_grad=True)
+    targets = torch.randint(0, V, (1, N))
+    with FlopCounterMode(display=False) as counter:
+        losses.token_logprobs(h[None], w, targets, chunk=40).sum().backward()
+    cfg = scalerl.parse_args(["--config=8b", "--dry_run"])
+    assert counter.get_total_flops() == N * planner.head_flops(cfg, V, H) == N * 8 * V * H
+    assert planner.head_flops(scalerl.parse_args(["--fp32_head=false", "--dry_run"]), V, H) == 6 * V * H
