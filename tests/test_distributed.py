@@ -31,7 +31,7 @@ import losses
 import scalerl
 import trainer
 from engine import Sample
-from infra import dist
+from infra import dist, plan as planner
 
 # PYTHONPATH: this file, run by torchrun as a script, imports the project's modules
 ENV = {**ENV, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, ENV.get("PYTHONPATH")]))}
@@ -93,15 +93,46 @@ def fsdp_worker(out):
     d = dist.Dist(torch.distributed.get_rank(), 2, [0, 1], [], 60.0, {"trainer": torch.distributed.group.WORLD})
     cfg, groups = parity_setup()
     model = trainer.tiny_model(cfg, VOCAB)
-    policy = dist.shard(trainer.Policy(model, 1.0, torch.float32), model.model.layers, d.groups["trainer"])
+    deferred = planner.defers(cfg, 2, 2)  # as infra.run.policy asks the plan
+    policy = dist.shard(trainer.Policy(model, 1.0, torch.float32), model.model.layers, d.groups["trainer"],
+                        defer=deferred)
+    # FSDP2's reduce-scatters (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: DefaultReduceScatter) and
+    # forward passes in the step
+    scatters, passes, real = [], [], torch.distributed.reduce_scatter_single
+    torch.distributed.reduce_scatter_single = lambda *a, **k: scatters.append(1) or real(*a, **k)
+    policy.register_forward_hook(lambda *_: passes.append(1))
     r = parity_step(policy, cfg, groups, d.rank, 2)
     sums, maxes = dist.TrainerComm(d).reduce(dict(r["sums"], loss=r["loss"]), dict(ratio_max=r["ratio_max"]))
     grads = {n: g.full_tensor() for n, g in r["grads"].items()}
     res = dict(sums=sums, maxes=maxes, grads=grads, gnorm=r["gnorm"].full_tensor(),
-               params=dist.full_state_dict(model), sharded=type(next(policy.parameters())).__name__)
+               params=dist.full_state_dict(model), sharded=type(next(policy.parameters())).__name__,
+               scatters=len(scatters), passes=len(passes), deferred=deferred)
     if d.rank == 0:
         torch.save(res, out)
     torch.distributed.destroy_process_group()
+
+
+def test_rollouts_travel_as_tensors_at_12_bytes_a_token(monkeypatch):
+    """send_groups packs each group (infra.dist.pack): int32 token ids, fp32 logprobs, int32 versions (a forced
+    token's as ~version), the prompt once: on the wire (torch's own pickling for send_object_list) and in trainer rank
+    0's inbox about infra.plan.WIRE bytes a token, where Python lists pickle to about 17; unpacked, the same Samples."""
+    rng = random.Random(0)
+    prompt = [rng.randrange(151936) for _ in range(300)]
+    group = [Sample(7, 7, prompt, tokens=[rng.randrange(151936) for _ in range(2000 + i)],
+                    logprobs=[-rng.random() for _ in range(2000 + i)], versions=[3 + (j > 900) for j in range(2000 + i)],
+                    forced=[1000 <= j < 1020 for j in range(2000 + i)], reward=1.0) for i in range(4)]
+    sent = []
+    monkeypatch.setattr(dist.dist, "send_object_list", lambda objs, **kw: sent.extend(objs))
+    dist.send_groups(dist.Dist(1, 2, [0], [1], 60.0, {1: None}), ([(True, group)], {"epoch": 0}))
+    wire, _ = torch.distributed.distributed_c10d._object_to_tensor(sent[0], "cpu", None)
+    tokens = sum(len(s.tokens) for s in group)
+    assert wire.numel() / tokens < planner.WIRE + 0.5
+    (kept, packed), = sent[0][0]
+    assert kept and sum(t.nbytes for t in packed[2:]) == planner.WIRE * tokens
+    back = dist.unpack(packed)
+    for s, b in zip(group, back):
+        assert (b.prompt_tokens, b.tokens, b.versions, b.forced) == (s.prompt_tokens, s.tokens, s.versions, s.forced)
+        assert b.logprobs == pytest.approx(s.logprobs, rel=1e-6) and (b.group, b.reward) == (s.group, s.reward)
 
 
 @pytest.mark.slow
@@ -118,6 +149,9 @@ def test_fsdp2_two_trainer_ranks_match_one_process(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     two = torch.load(out, weights_only=False)
     assert two["sharded"] == "DTensor"
+    # the plan chose one reduce-scatter a step (the tiny model's unsharded gradients fit): one per FSDP2 unit (2
+    # decoder layers, the head, the root), not one per unit and micro-batch
+    assert two["deferred"] and two["passes"] == max(counts) and two["scatters"] == 4
 
     model = trainer.tiny_model(cfg, VOCAB)
     one = parity_step(trainer.Policy(model, 1.0, torch.float32), cfg, groups)
