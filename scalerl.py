@@ -146,7 +146,7 @@ PRESETS = {
     "hub": HUB,                                                              # any --model other than tiny
     "gsm8k_0.6b": {**HUB, "model": "Qwen/Qwen3-0.6B", "task": "gsm8k"},      # one GPU, grade-school math
     "math_1.7b": {**HUB, "model": "Qwen/Qwen3-1.7B", "task": "math", "think_min": 1536, "think_max": 2048,
-                  "act_ckpt": True, "slots": 48},                           # fits one 80 GB GPU (--dry_run)
+                  "act_ckpt": True, "slots": 44},                           # fits one 80 GB GPU (--dry_run)
     "8b": PAPER_8B,                                                          # 48 x 16, 14k generation (Table 1)
     "8b_32k": {**PAPER_8B, "think_min": 26624, "think_max": 28672,          # 32k generation length (Table 1);
                "micro_batch_tokens": 40960},                                # a micro-batch holds a full sequence

@@ -139,12 +139,12 @@ def pack(g):
     """A group on the wire and in trainer rank 0's inbox: its Samples without their lists, the prompt once (a group's
     completions share it), their tokens (int32), logprobs (fp32) and versions (int32; a forced token's ~version),
     12 bytes a token against about 84 as Python lists (infra.plan.WIRE)."""
-    return ([replace(s, prompt_tokens=None, tokens=len(s.tokens), logprobs=None, versions=None, forced=None) for s in g],
-            *(torch.tensor(x, dtype=d) for x, d in ((g[0].prompt_tokens, torch.int32),
-                                                   ([t for s in g for t in s.tokens], torch.int32),
-                                                   ([x for s in g for x in s.logprobs], torch.float32),
-                                                   ([~v if f else v for s in g for v, f in zip(s.versions, s.forced)],
-                                                    torch.int32))))
+    versions = [~v if f else v for s in g for v, f in zip(s.versions, s.forced)]
+    return ([replace(s, prompt_tokens=None, tokens=len(s.tokens), logprobs=None, versions=None, forced=None)
+             for s in g], torch.tensor(g[0].prompt_tokens, dtype=torch.int32),
+            torch.tensor([t for s in g for t in s.tokens], dtype=torch.int32),
+            torch.tensor([x for s in g for x in s.logprobs], dtype=torch.float32),
+            torch.tensor(versions, dtype=torch.int32))
 
 
 def unpack(packed):
@@ -447,10 +447,8 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
     send_groups(job, None)  # trainer rank 0's receiver for this rank stops
 
 
-def shard(policy, layers, group, body_dtype=torch.float32, defer=False):
-    """FSDP2 over `group`: each of `layers` a unit, the untied head a unit, the rest (embeddings, norm) the root.
-    `defer`: gradients reduce-scattered after a step's last micro-batch only (trainer.policy_gradient)."""
-    policy.defer_sync = defer
+def shard(policy, layers, group, body_dtype=torch.float32):
+    """FSDP2 over `group`: each of `layers` a unit, the untied head a unit, the rest (embeddings, norm) the root."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = DeviceMesh.from_group(group, next(policy.parameters()).device.type)

@@ -22,19 +22,15 @@ CHUNK = inspect.signature(losses.token_logprobs).parameters["chunk"].default  # 
 # its longest (the paper kept truncation under 5%); a wait must last MARGIN times the work it waits for.
 BF16_FLOPS, FP32_FLOPS, HBM_BYTES_S, MFU, BW_UTIL, MEAN_LEN, MARGIN = 989e12, 67e12, 3.35e12, 0.4, 0.5, 0.5, 2
 SYNC, DEFERRED = "weight-sync buffers", "unsharded fp32 grads (deferred)"  # the last row before the total
-# What only a GPU shows, constants until one measures them (docs/gpus.md): a CUDA context (as infra.vllm_engine's); an
-# NCCL communicator's buffers with NVLS on, about 1.6 GB each (github.com/NVIDIA/nccl/issues/864; NVLS is NCCL's default
-# on NVSwitch nodes); a trainer's margin for the allocator's fragmentation, a share of its rows (a choice: its segments
-# are expandable, PYTORCH_CUDA_ALLOC_CONF set by infra.run.start); NVLink's and a 400 Gb/s NIC's reduce-scatter bus
-# bandwidth per GPU (nccl-tests' busbw on H100 nodes of 8); weight-sync bytes a second into a paused vLLM engine (a
-# choice: a review's 5-10 s for an 8B version, sync_s on a GPU says).
-CUDA_CONTEXT, NCCL_COMM, FRAGMENTATION, NODE, NVLINK_BYTES_S, NIC_BYTES_S, RELOAD_BYTES_S = \
-    1 << 29, 1.6e9, 0.05, 8, 360e9, 45e9, 2.5e9
-# bytes a position of a micro-batch hands to the device (trainer.policy_gradient: int32 ids, bool attention, loss mask
-# and fresh flags, fp32 generator logprobs and aggregation weights) and holds there (ids, attention as int64, loss mask
-# as fp32); a trainer rank's host copy of the step's batch (trainer.rollout_tensors: ids, logprobs, weights, versions
-# 4 bytes, masks 1) and its completions as Python lists (about 84 bytes a token); a token on the wire and in trainer
-# rank 0's inbox (infra.dist.pack: int32 ids, fp32 logprobs, int32 versions)
+# What only a GPU shows, until one measures it (docs/gpus.md): a CUDA context; an NCCL communicator's buffers with NVLS
+# on (github.com/NVIDIA/nccl/issues/864); the allocator's fragmentation, a share of a trainer's rows (a choice, its
+# segments expandable: infra.run.start); reduce-scatter bus bandwidth within a node of 8 (NVLink) and across (a 400 Gb/s
+# NIC); a paused vLLM engine's reload rate (a choice: about 7 s an 8B version). FLOPs a token in the head (FP32 or not).
+CUDA_CONTEXT, NCCL_COMM, FRAGMENTATION, NODE, NVLINK_BYTES_S, NIC_BYTES_S, RELOAD_BYTES_S, HEAD_FLOPS = \
+    1 << 29, 1.6e9, 0.05, 8, 360e9, 45e9, 2.5e9, {True: 8, False: 6}
+# Bytes a micro-batch's position hands to the device (trainer.NARROW: int32 ids, bool attention, loss mask and fresh
+# flags, fp32 logprobs and weights) and holds there (int64 ids and attention, fp32 loss mask); a step's batch on a
+# trainer rank's host (trainer.rollout_tensors), its completions as Python lists; a token on the wire (dist.pack)
 TO_DEVICE, ON_DEVICE, HOST_BATCH, HOST_LISTS, WIRE = 15, 35, 18, 84, 12
 
 
@@ -78,12 +74,10 @@ def trainer_activations(shape, tokens, seq, ckpt, b, fp32_head=True):
 
 
 def trainer_rows(cfg, shape, T, seq, comms=0, defer=False):
-    """A trainer GPU (infra.dist.shard: FSDP2 over T ranks, or over one for the mixed precision of a body below fp32)
-    with `comms` NCCL communicators; `defer`: gradients reduce-scattered once a step (dist.shard's defer_sync). A
-    sequence longer than the micro-batch is a micro-batch of its own (trainer.micro_batches)."""
+    """A trainer GPU (infra.dist.shard: FSDP2 over T ranks, or over one for the mixed precision of a body below fp32),
+    `comms` NCCL communicators, `defer`: dist.shard's. A longer sequence is a micro-batch of its own (micro_batches)."""
     P, layer, root, b, hb, _ = sizes(cfg, shape)
     fsdp, tokens, VH = T > 1 or b < 4, max(cfg.micro_batch_tokens, seq), shape[6] * shape[1]
-    head = hb * VH * (not shape[7])  # an untied head: a unit of its own
     return {"parameters (fp32 master)": 4 * P / T, "gradients (fp32)": 4 * P / T,  # sharded, as AdamW's m, v
             "optimizer state (AdamW m, v)": 8 * P / T,
             # a unit computing (a decoder layer, or the root) unsharded in the body dtype, two at once (prefetch);
@@ -91,13 +85,10 @@ def trainer_rows(cfg, shape, T, seq, comms=0, defer=False):
             "unsharded units (FSDP2)": fsdp * 2 * b * max(layer, root) + (1 + fsdp) * hb * VH,
             "activations, act_ckpt on": trainer_activations(shape, tokens, seq, True, b, cfg.fp32_head),
             "activations, act_ckpt off": trainer_activations(shape, tokens, seq, False, b, cfg.fp32_head),
-            # the largest unit's gradient copied into reduce-scatter's fp32 input, beside its output, while the next
-            # layer is gathered into all-gather's output (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:
-            # foreach_reduce, foreach_all_gather)
-            "FSDP2 gather/reduce staging": fsdp * (4 * max(layer, root, head / hb) * (1 + 1 / T) + b * layer),
-            # set_requires_gradient_sync(False) until the last micro-batch: each unit accumulates its whole fp32
-            # gradient (torch 2.13 _fsdp_param.py: unsharded_accumulated_grad)
-            DEFERRED: defer * 4 * P,
+            # the largest unit's gradient in reduce-scatter's fp32 input and output while the next layer is gathered
+            # (torch 2.13 distributed/fsdp/_fully_shard/_fsdp_collectives.py: foreach_reduce, foreach_all_gather)
+            "FSDP2 gather/reduce staging": fsdp * (4 * max(layer, root, VH * (not shape[7])) * (1 + 1 / T) + b * layer),
+            DEFERRED: defer * 4 * P,  # every unit's gradient unsharded in fp32 until the last micro-batch
             "batch tensors (a micro-batch)": tokens * ON_DEVICE,
             "CUDA context, this process": CUDA_CONTEXT, "NCCL buffers": comms * NCCL_COMM}
 
@@ -144,10 +135,9 @@ def vllm_share(cfg, shape):
     return min(cfg.gpu_memory_utilization * GPU_GB * GB, GPU_GB * GB - sum(vllm_offshare_rows(cfg, shape).values()))
 
 
-def margin(cfg, rows):
-    """`rows` and the allocator's margin for the trainer's part of them (an engine allocates its own once)."""
-    return {**rows, "margin": FRAGMENTATION * counted(cfg, {r: v for r, v in rows.items() if "engine" not in r
-                                                            and r != "KV cache"})}
+def margin(cfg, rows):  # the allocator's, for the trainer's rows (an engine allocates its own once)
+    trainer = {r: v for r, v in rows.items() if r not in ("engine weights", "KV cache")}
+    return {**rows, "margin": FRAGMENTATION * counted(cfg, trainer)}
 
 
 def columns(cfg, shape, world, T, seq, defer=None):
@@ -159,8 +149,7 @@ def columns(cfg, shape, world, T, seq, defer=None):
     if defer is None:
         defer = T > 1 and counted(cfg, columns(cfg, shape, world, T, seq, True)["trainer 0"]) <= GPU_GB * GB
     # NCCL communicators: the trainer group's on every trainer rank, the weights group's on trainer rank 0
-    train = trainer_rows(cfg, shape, T, seq, T > 1, defer)
-    engine = engine_rows(cfg, shape, seq)
+    train, engine = trainer_rows(cfg, shape, T, seq, T > 1, defer), engine_rows(cfg, shape, seq)
     if world == 1:
         return {"GPU 0": margin(cfg, {**train, **{k: 2 * v for k, v in engine.items()},
                                       SYNC: engine["engine weights"] * (b < 4)})}
@@ -183,8 +172,7 @@ def columns(cfg, shape, world, T, seq, defer=None):
     return cols
 
 
-def defers(cfg, world, T):
-    """Whether T trainer ranks (of `world` GPUs) reduce-scatter their gradients once a step (columns' choice)."""
+def defers(cfg, world, T):  # T trainer ranks reduce-scatter their gradients once a step (columns' choice)
     shape = model_shape(cfg)
     return bool(shape and T > 1 and columns(cfg, shape, world, T, seq_len(cfg))["trainer 0"][DEFERRED])
 
@@ -208,16 +196,6 @@ def fitting_gen_ranks(cfg, world, gpu_gb=GPU_GB):
         cfg, columns(cfg, shape, world, world - g, seq_len(cfg))["trainer 0"]) <= gpu_gb * GB), 0)
 
 
-def head_flops(cfg, V, H):
-    """FLOPs a trained token costs in the LM head (see timing)."""
-    return (8 if cfg.fp32_head else 6) * V * H
-
-
-def version_bytes(cfg, shape):
-    """The bytes of one policy version as the generators receive it (every weight bucket)."""
-    return sum(bucket_bytes(cfg, shape))
-
-
 def timing(cfg, shape, world, T, G):
     """Estimated seconds of the work the job's waits cover (a trainer step and its head's part, one step's generation,
     the first group's, a held-out evaluation), and the completions one generator may hold at once (`flight`)."""
@@ -230,10 +208,9 @@ def timing(cfg, shape, world, T, G):
     passes = 3 + cfg.act_ckpt
     body = 2 * passes * (P - V * H * (1 + (not tied))) + passes * 4 * L * nq * hd * seq / 2
     tokens = BG * seq / T
-    head = tokens * head_flops(cfg, V, H) / ((FP32_FLOPS if cfg.fp32_head else BF16_FLOPS) * MFU)
+    head = tokens * HEAD_FLOPS[cfg.fp32_head] * V * H / ((FP32_FLOPS if cfg.fp32_head else BF16_FLOPS) * MFU)
     step = tokens * body / (BF16_FLOPS * MFU) + head
-    # FSDP2 reduce-scatters the fp32 gradients after each micro-batch (or once a step, deferred): over NVLink within a
-    # node, a NIC's bandwidth across nodes; overlapped with the backward, so not added to the step
+    # FSDP2's reduce-scatter of the fp32 gradients, after each micro-batch or once a step: overlaps the backward
     scatter = 4 * P * (T - 1) / T / (NVLINK_BYTES_S if T <= NODE else NIC_BYTES_S)
     # a generator's engine step reads its weights and the running sequences' KV cache: memory-bound decoding
     flight = min(cfg.slots, -(-(cfg.max_lag + 1) * BG // G))
@@ -248,7 +225,10 @@ def timing(cfg, shape, world, T, G):
     return dict(step=step, head=head, tick=tick, first_group=first_group, generation=generation,
                 scatter=scatter, micro_batches=-(-tokens // max(cfg.micro_batch_tokens, seq_len(cfg))),
                 # the first batch: a step's generation from cold, then the tail of its longest completion
-                first_batch=generation + first_group, pause=version_bytes(cfg, shape) / RELOAD_BYTES_S,
+                first_batch=generation + first_group, pause=sum(bucket_bytes(cfg, shape)) / RELOAD_BYTES_S,
+                # host memory: trainer rank 0's inbox holds at most what the lag bound admits, a prompt once a group
+                inbox=(cfg.max_lag + 1) * BG * (gen_len + MEAN_LEN * cfg.max_prompt / cfg.group_size) * WIRE,
+                batch=BG * (seq_len(cfg) * HOST_BATCH + seq * HOST_LISTS),
                 evaluation=cfg.eval_prompts * cfg.eval_samples * gen_len / (rate * share), flight=flight)
 
 
@@ -264,8 +244,7 @@ def settle(cfg, world, gpu_gb=GPU_GB):
     what, longest = max({"a trainer step (a generator idles at the lag bound meanwhile)": t["step"],
                          "one step's generation (trainer rank 0 gathers the batch meanwhile)": t["generation"],
                          "the first group (as long as its longest completion)": t["first_group"],
-                         "the first batch (trainer ranks 1.. wait for it in share())": t["first_batch"] * (T > 1)
-                         }.items(),
+                         "the first batch (trainer ranks 1.. wait for it)": t["first_batch"] * (T > 1)}.items(),
                         key=lambda x: x[1])
     timeout = cfg.dist_timeout or max(1800.0, round(MARGIN * longest, -2) + 100)
     cycle = cfg.eval_every * max(t["step"], t["generation"])
@@ -326,22 +305,15 @@ def plan(cfg):
     out.append(f"  * counted (--act_ckpt={cfg.act_ckpt}); micro-batches of {max(cfg.micro_batch_tokens, seq):,} tokens"
                + (f"\n    (--micro_batch_tokens={cfg.micro_batch_tokens:,} holds no full sequence: a longer one is a "
                   "micro-batch of its own)" if cfg.micro_batch_tokens < seq else "")
-               + f"\n    the verdict counts a margin of {FRAGMENTATION:.0%} of a trainer's rows for the allocator's fragmentation")
+               + f"\n    the verdict counts a margin of {FRAGMENTATION:.0%} of a trainer's rows for the allocator")
     if world > 1:  # FSDP2's reduce-scatters: every micro-batch, or deferred to the last at the memory it takes
-        deferred = counted(cfg, columns(cfg, shape, world, T, seq, True)["trainer 0"])
-        out.append(f"  gradient sync: FSDP2 reduce-scatters {4 * P / GB:.1f} GB of fp32 gradients every micro-batch "
-                   f"({t['micro_batches']:.0f} a step,\n    {t['scatter']:.2f} s each over {T} trainer ranks), or once "
-                   f"a step, keeping them unsharded until the last (trainer 0: {deferred / GB:.1f} GB):\n    "
-                   + ("once a step, chosen" if cols["trainer 0"][DEFERRED] else
-                      f"every micro-batch, chosen ({deferred / GB:.1f} GB is over {GPU_GB} GB)"))
-        # in host memory (mean lengths): the groups the lag bound admits, at most, in trainer rank 0's inbox (a prompt
-        # once a group), and a step's batch on each trainer rank
-        gen, prompt = MEAN_LEN * (cfg.think_max + 24 + cfg.answer_budget), MEAN_LEN * cfg.max_prompt
-        inbox = (cfg.max_lag + 1) * BG * (gen + prompt / cfg.group_size) * WIRE
-        batch = BG * (seq * HOST_BATCH + (gen + prompt) * HOST_LISTS)
-        out.append(f"  host memory: trainer rank 0's inbox up to {inbox / GB:.1f} GB ({WIRE} bytes a token), a step's "
-                   f"batch {batch / GB:.1f} GB on each trainer rank\n    (its tensors, {HOST_BATCH} bytes a position; "
-                   f"its completions as Python lists, about {HOST_LISTS} bytes a token)")
+        deferred = counted(cfg, columns(cfg, shape, world, T, seq, True)["trainer 0"]) / GB
+        out.append(f"  gradient sync: reduce-scatters of {4 * P / GB:.1f} GB every micro-batch "
+                   f"({t['micro_batches']:.0f} a step, {t['scatter']:.2f} s each), or once a step\n    (trainer 0 "
+                   f"{deferred:.1f} of {GPU_GB} GB): "
+                   + ("once a step" if cols["trainer 0"][DEFERRED] else "every micro-batch") + ", chosen")
+        out.append(f"  host memory: trainer rank 0's inbox up to {t['inbox'] / GB:.1f} GB ({WIRE} bytes a token), a "
+                   f"step's batch {t['batch'] / GB:.1f} GB on each trainer rank")
     if g and not cfg.gen_ranks and g != len(dist.roles(world, 0, cfg.gen_share)[1]):
         out.append(f"  generator ranks: {g}, not --gen_share's: the most whose trainer ranks fit {GPU_GB} GB GPUs")
     elif world > 1 and not all(fits[:-1]):  # a trainer column does not fit
@@ -361,11 +333,10 @@ def plan(cfg):
     out.append("  weight sync: " + (f"{cfg.sync_bucket_mb:,} MB buckets, two on trainer 0 (one packed, one in flight); "
                                     f"a generator {receive}" if world > 1 else "the engines load the gathered weights"))
     if world > 1 and cfg.engine == "vllm":  # paused for a version's reload, or a version's buffer off the KV cache
-        version, held = version_bytes(cfg, shape), cols["generators"]["KV cache"]
-        pause, lost = t["pause"] / max(t["step"], t["generation"]), version / held
-        out.append(f"  vLLM paused {t['pause']:.1f} s a version (its {version / GB:.1f} GB reloaded bucket by bucket: "
-                   f"{pause:.1%} of a step), or a whole version's\n    buffer beside it ({lost:.0%} of the KV cache): "
-                   + ("paused, chosen" if pause <= lost else "a buffer would cost less; the engine pauses (built)"))
+        pause = t["pause"] / max(t["step"], t["generation"])
+        lost = t["pause"] * RELOAD_BYTES_S / cols["generators"]["KV cache"]
+        out.append(f"  vLLM paused {t['pause']:.1f} s a version ({pause:.1%} of a step), or a whole version's buffer "
+                   f"({lost:.0%} of the KV cache): " + ("paused, chosen" if pause <= lost else "a buffer costs less"))
     if cfg.engine == "vllm" and cfg.interrupt:  # vLLM cannot append to a running request (infra/vllm_engine.py)
         n = cfg.max_prompt + cfg.think_max
         out.append(f"  interruption: vLLM resubmits the request with the phrase; after a weight update its up to {n:,} "
@@ -374,15 +345,14 @@ def plan(cfg):
     out.append(f"  time (estimated: H100 peaks at {MFU:.0%} MFU, decoding at {BW_UTIL:.0%} of HBM bandwidth, mean "
                f"completion {MEAN_LEN:.0%} of the longest):\n    trainer step {t['step']:,.0f} s, of which the "
                f"{'FP32' if cfg.fp32_head else 'LM'} head {t['head']:,.0f} s ({t['head'] / t['step']:.0%} of the "
-               f"step's time, {head_flops(cfg, 1, 1)}VH FLOPs a token)")
+               f"step's time, {HEAD_FLOPS[cfg.fp32_head]}VH FLOPs a token)")
     if world > 1:  # a preempted run finishes its step, then every trainer rank writes its shard (infra/rundir.py)
         out += [f"    generation {t['generation']:,.0f} s a step over {G} generators, first group "
                 f"{t['first_group']:,.0f} s, held-out evaluation {t['evaluation']:,.0f} s\n    (--eval_share="
                 f"{cfg.eval_share} of the slots, interleaved with rollouts; every {cfg.eval_every} steps = "
                 f"{cfg.eval_every * max(t['step'], t['generation']):,.0f} s)",
-                f"    first batch {t['first_batch']:,.0f} s (a step's generation from cold, then its longest completion)"
-                + (f"\n    against trainer ranks 1-{T - 1}'s wait in share(), {cfg.dist_timeout + 60:,.0f} s" if T > 1
-                   else ""),
+                f"    first batch {t['first_batch']:,.0f} s (a step's generation from cold, then its longest "
+                f"completion)\n    against trainer ranks 1..'s wait in share(), {cfg.dist_timeout + 60:,.0f} s",
                 f"  time-outs: --dist_timeout={cfg.dist_timeout:,.0f} s " + (
                     f"refused at start: {problem}" if problem else f"covers {MARGIN} x the longest work a wait covers "
                     f"({max(t['step'], t['generation'], t['first_group'], t['first_batch'] * (T > 1)):,.0f} s)"),

@@ -182,9 +182,9 @@ def policy(cfg, job, model, tok):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
     pol = trainer.Policy(model, cfg.temperature, torch.float32 if cfg.fp32_head else body, tok.pad_token_id, body)
     if len(job.trainers) > 1 or body != torch.float32:
-        from infra.plan import defers  # the plan's choice of when FSDP2 reduce-scatters
-        dist.shard(pol, trainer.decoder_layers(model), job.groups.get("trainer") or dist.local_group(), body,
-                   defers(cfg, job.world, len(job.trainers)))
+        from infra.plan import defers  # FSDP2 reduce-scatters once a step where the plan finds room (policy_gradient)
+        dist.shard(pol, trainer.decoder_layers(model), job.groups.get("trainer") or dist.local_group(), body)
+        pol.defer_sync = defers(cfg, job.world, len(job.trainers))
     return pol, trainer.optimizer(cfg, pol)
 
 

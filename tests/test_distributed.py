@@ -94,8 +94,8 @@ def fsdp_worker(out):
     cfg, groups = parity_setup()
     model = trainer.tiny_model(cfg, VOCAB)
     deferred = planner.defers(cfg, 2, 2)  # as infra.run.policy asks the plan
-    policy = dist.shard(trainer.Policy(model, 1.0, torch.float32), model.model.layers, d.groups["trainer"],
-                        defer=deferred)
+    policy = dist.shard(trainer.Policy(model, 1.0, torch.float32), model.model.layers, d.groups["trainer"])
+    policy.defer_sync = deferred
     # FSDP2's reduce-scatters (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: DefaultReduceScatter) and
     # forward passes in the step
     scatters, passes, real = [], [], torch.distributed.reduce_scatter_single
@@ -118,9 +118,9 @@ def test_rollouts_travel_as_tensors_at_12_bytes_a_token(monkeypatch):
     0's inbox about infra.plan.WIRE bytes a token, where Python lists pickle to about 17; unpacked, the same Samples."""
     rng = random.Random(0)
     prompt = [rng.randrange(151936) for _ in range(300)]
-    group = [Sample(7, 7, prompt, tokens=[rng.randrange(151936) for _ in range(2000 + i)],
-                    logprobs=[-rng.random() for _ in range(2000 + i)], versions=[3 + (j > 900) for j in range(2000 + i)],
-                    forced=[1000 <= j < 1020 for j in range(2000 + i)], reward=1.0) for i in range(4)]
+    group = [Sample(7, 7, prompt, tokens=[rng.randrange(151936) for _ in range(n)],
+                    logprobs=[-rng.random() for _ in range(n)], versions=[3 + (j > 900) for j in range(n)],
+                    forced=[1000 <= j < 1020 for j in range(n)], reward=1.0) for n in range(2000, 2004)]
     sent = []
     monkeypatch.setattr(dist.dist, "send_object_list", lambda objs, **kw: sent.extend(objs))
     dist.send_groups(dist.Dist(1, 2, [0], [1], 60.0, {1: None}), ([(True, group)], {"epoch": 0}))

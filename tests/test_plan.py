@@ -252,5 +252,5 @@ def test_the_fp32_head_costs_what_the_plan_counts():
     with FlopCounterMode(display=False) as counter:
         losses.token_logprobs(h[None], w, targets, chunk=40).sum().backward()
     cfg = scalerl.parse_args(["--config=8b", "--dry_run"])
-    assert counter.get_total_flops() == N * planner.head_flops(cfg, V, H) == N * 8 * V * H
-    assert planner.head_flops(scalerl.parse_args(["--fp32_head=false", "--dry_run"]), V, H) == 6 * V * H
+    assert counter.get_total_flops() == N * planner.HEAD_FLOPS[cfg.fp32_head] * V * H == N * 8 * V * H
+    assert planner.HEAD_FLOPS[False] == 6  # autograd's: the forward, the hidden states' and the weight's gradients
