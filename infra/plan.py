@@ -306,12 +306,13 @@ def plan(cfg):
                + (f"\n    (--micro_batch_tokens={cfg.micro_batch_tokens:,} holds no full sequence: a longer one is a "
                   "micro-batch of its own)" if cfg.micro_batch_tokens < seq else "")
                + f"\n    the verdict counts a margin of {FRAGMENTATION:.0%} of a trainer's rows for the allocator")
-    if world > 1:  # FSDP2's reduce-scatters: every micro-batch, or deferred to the last at the memory it takes
+    if T > 1:  # FSDP2's reduce-scatters: every micro-batch, or deferred to the last at the memory it takes
         deferred = counted(cfg, columns(cfg, shape, world, T, seq, True)["trainer 0"]) / GB
         out.append(f"  gradient sync: reduce-scatters of {4 * P / GB:.1f} GB every micro-batch "
                    f"({t['micro_batches']:.0f} a step, {t['scatter']:.2f} s each), or once a step\n    (trainer 0 "
                    f"{deferred:.1f} of {GPU_GB} GB): "
                    + ("once a step" if cols["trainer 0"][DEFERRED] else "every micro-batch") + ", chosen")
+    if world > 1:
         out.append(f"  host memory: trainer rank 0's inbox up to {t['inbox'] / GB:.1f} GB ({WIRE} bytes a token), a "
                    f"step's batch {t['batch'] / GB:.1f} GB on each trainer rank")
     if g and not cfg.gen_ranks and g != len(dist.roles(world, 0, cfg.gen_share)[1]):
@@ -321,6 +322,8 @@ def plan(cfg):
         out.append(f"  the trainer ranks do not fit: --gen_ranks={g} gives {world - g} trainer ranks, which do" if g
                    else "  the trainer ranks do not fit with any split of this world: more GPUs, or a smaller "
                         "--micro_batch_tokens")
+    elif world == 1 and not fits[0]:
+        out.append("  GPU 0 does not fit: lower --slots or --micro_batch_tokens, or set --act_ckpt")
     out.append(f"  KV cache {full / u:.2f} {unit} per full-length sequence: " + (
         f"a generator's holds {cols['generators']['KV cache'] / full:.0f} (vLLM's share less its weights) of its "
         f"{t['flight']}\n    completions in flight; vLLM pages the cache, queues the rest; vLLM's share "
