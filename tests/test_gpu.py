@@ -81,6 +81,54 @@ def test_one_fsdp2_rank_over_nccl_trains_a_bf16_qwen3_step():
     assert any((after[k] - before[k]).abs().max() > 0 for k in before)
 
 
+ALLOCATOR = """
+import json, os, sys, torch
+import scalerl, trainer
+from engine import Sample
+from infra import dist, run
+from transformers import Qwen3Config, Qwen3ForCausalLM
+run.start(scalerl.parse_args(["--out_dir", sys.argv[1]]))  # sets the allocator before CUDA starts
+torch.zeros(1, device="cuda")
+free, total = torch.cuda.mem_get_info()
+context = total - free - torch.cuda.memory_reserved()  # the CUDA context (NCCL not started yet)
+lm = Qwen3ForCausalLM(Qwen3Config(vocab_size=32768, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+                                  num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+                                  tie_word_embeddings=False)).cuda()
+lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+policy = dist.shard(trainer.Policy(lm, 1.0, torch.float32, 0, torch.bfloat16), lm.model.layers, dist.local_group(),
+                    torch.bfloat16)
+opt = torch.optim.AdamW(policy.parameters(), lr=1e-4)
+groups = [[Sample(g, g, [5, 6, 7], tokens=torch.randint(8, 32768, (n,)).tolist(), logprobs=[-9.0] * n,
+                  versions=[0] * n, forced=[False] * n, reward=float(n % 2)) for n in range(500, 796, 37)]
+          for g in range(8)]
+for step in range(3):
+    trainer.train_step(policy, opt, groups, scalerl.Config(micro_batch_tokens=4096, warmup_steps=0), step)
+print(json.dumps(dict(conf=os.environ["PYTORCH_CUDA_ALLOC_CONF"], context=context,
+                      reserved=torch.cuda.max_memory_reserved(), allocated=torch.cuda.max_memory_allocated())))
+"""
+
+
+def test_the_cuda_context_and_the_allocators_fragmentation_fit_the_plan(tmp_path):
+    """What only CUDA shows, against infra/plan.py's constants: the CUDA context, and with expandable segments (set by
+    infra.run.start before CUDA starts) the allocator's peak reserved memory over its peak allocated in three bf16
+    FSDP2 steps of a small Qwen3 over micro-batches of several lengths (the plan's margin: FRAGMENTATION)."""
+    import json
+    import subprocess
+    import sys
+    from conftest import ENV, ROOT
+    from infra import plan
+    env = {k: v for k, v in ENV.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    p = subprocess.run([sys.executable, "-c", ALLOCATOR, str(tmp_path / "run")], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    print(f"\nCUDA context {r['context'] / 2 ** 30:.2f} GiB (plan {plan.CUDA_CONTEXT / 2 ** 30:.2f}); peak reserved "
+          f"{r['reserved'] / 2 ** 30:.2f} GiB over peak allocated {r['allocated'] / 2 ** 30:.2f} GiB")
+    assert r["conf"] == "expandable_segments:True"
+    assert r["context"] < 2 * plan.CUDA_CONTEXT
+    assert r["reserved"] <= (1 + plan.FRAGMENTATION) * r["allocated"] + (64 << 20)
+
+
 def test_chunked_fp32_head_memory_on_cuda():
     """The FP32 head at the paper's 16,384 tokens x Qwen3's 151,936 vocabulary: forward and backward stay far below
     the 10 GB that one float32 logits tensor of that size would take."""
