@@ -1,7 +1,7 @@
 """The CUDA path, where a GPU is present (skipped elsewhere): the engine's behaviour logprobs against the mixed-
 precision trainer's on the GPU, one FSDP2 rank over NCCL training a bf16 Qwen3 step with the FP32 head, the chunked
-FP32 head's memory at 16,384 x 151,936, a weight update over NCCL into the PyTorch engine, and a few real steps of
-`python scalerl.py` on the GPU.
+FP32 head's memory at 16,384 x 151,936, a weight update over NCCL into the PyTorch engine, the CUDA context and the
+allocator's fragmentation against infra/plan.py's constants, and a few real steps of `python scalerl.py` on the GPU.
 
 Run: python -m pytest -m gpu -s   (prints the measured mismatches)
 """
