@@ -111,7 +111,8 @@ def part_train(a, cfg, policy, shape, dev, out):
         peak = mem(dev, peak=True)
         rows = plan.trainer_rows(cfg, shape, 1, a.seq)
         off = f"activations, act_ckpt {'off' if ckpt else 'on'}"
-        planned = sum(v for r, v in rows.items() if r != off) / GB
+        # the allocator's peak against the plan's rows that it holds (not the CUDA context, nor NCCL's buffers)
+        planned = sum(v for r, v in rows.items() if r not in (off, "CUDA context, this process", "NCCL buffers")) / GB
         mb_tokens = max(cfg.micro_batch_tokens, a.seq) // a.seq * a.seq
         per_token = (peak - base - 4 * P / GB) * GB / mb_tokens / 1e3 if dev.type == "cuda" else 0.0
         key = "ckpt" if ckpt else "no_ckpt"
