@@ -140,8 +140,8 @@ def test_every_request_carries_its_own_seed_on_a_gpu_too(tiny, monkeypatch):
     for device in ("cpu", "cuda"):
         e = vllm_engine(model, tok, cfg, seed=4)
         add = e.llm.add_request
-        monkeypatch.setattr(e.llm, "add_request", lambda rid, prompt, params, add=add, d=device: seen.append(
-            (d, params.seed)) or add(rid, prompt, params))
+        monkeypatch.setattr(e.llm, "add_request", lambda rid, prompt, params, add=add, d=device, **kw: seen.append(
+            (d, params.seed)) or add(rid, prompt, params, **kw))
         e.device = torch.device(device)  # what a generator rank's engine has; sampling itself still runs on the CPU
         e.generate(templates(tok, 2), 2)
     cpu, cuda = ([seed for d, seed in seen if d == kind] for kind in ("cpu", "cuda"))
