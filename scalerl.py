@@ -214,12 +214,12 @@ def main(cfg):
             line += " | " + evaluate(step, policy)
         print0(line, flush=True)
         saved = not stop and (step % cfg.ckpt_every == 0 or step == cfg.max_steps or bad_run >= cfg.max_nonfinite)
-        # under torchrun a checkpoint has the rows of evaluations asked --eval_every steps before it or more (the plan
-        # holds that they end by then); a later one runs on beside the pipeline, its row lost if the run is killed
-        evaluate.collect(until=step - cfg.eval_every + 1 if saved else 0)
-        # after skipped steps the weights are still the last good ones
+        # the checkpoint before any wait, so no wait loses the training (after skipped steps: the last good weights)
         if saved:
             rundir.save_checkpoint(cfg, step, log.clock, source, job, policy, opt)
+        # under torchrun, then the rows of evaluations asked --eval_every steps before it or more; a later one runs on
+        # beside the pipeline. A row a dead rank or a kill loses is named, and --resume reports it (docs/torchrun.md)
+        evaluate.collect(until=step - cfg.eval_every + 1 if saved else 0)
         if bad_run >= cfg.max_nonfinite or stop:
             break
     # a stop's checkpoint, or the policy exported, the summary, the sigmoid fit of this run's curve (Sec. 2.1)

@@ -22,6 +22,7 @@ from infra import die, first_line
 from pipeline_rl import BatchSource, admission_limit
 
 POLL_S = 0.1  # seconds between a generator rank's visits to the job's TCPStore
+RESUBMITS = ("reprefill_tokens", "resubmits", "resubmit_wait_us")  # the vLLM engine's counts of its resubmissions
 
 
 @dataclass
@@ -280,9 +281,10 @@ class TrainerLink(BatchSource):
                 if patient and tokens != (tokens := counter(self.job, "gen_tokens")):
                     since = time.time()
                 elif time.time() - since > self.job.timeout:
+                    why = " (no token generated meanwhile)" if patient else \
+                        " (an evaluation longer than --eval_every steps: raise --eval_share)"
                     gave_up(self.job, f"the held-out pass rate of policy version {v} from generator ranks "
-                            f"{self.job.generators}", " (no token generated meanwhile)" if patient
-                            else " (an evaluation longer than --eval_every steps: raise --eval_share)")
+                            f"{self.job.generators}", why + self.lost())
                 time.sleep(POLL_S)
             parts = [json.loads(self.job.store.get(key)) for key in keys]
             versions = [x for p in parts for x in p["versions"] or ()] or [v]
@@ -291,12 +293,18 @@ class TrainerLink(BatchSource):
                 self.job.store.delete_key(key)
         return out
 
+    def lost(self):
+        """What a wait that ends the run loses: the rows asked and not logged (--resume names them again)."""
+        return f"; held-out rows lost: steps {sorted(row['step'] for row in self.asked.values())} (the last " \
+               "checkpoint keeps the training before it: --resume)"
+
     def totals(self):
         """Generation so far over all generator ranks: the furthest epoch, sums of the rest."""
         infos = list(self.info.values())  # a copy: the receiver threads add to it
         total = {key: sum(x[key] for x in infos) for key in ("npr_removed", "reward_errors", "bad_prompts")}
         total["epoch"] = max((x["epoch"] for x in infos), default=0)
-        return dict(tokens=counter(self.job, "gen_tokens"), gen_s=counter(self.job, "gen_us") / 1e6, **total)
+        return dict(tokens=counter(self.job, "gen_tokens"), gen_s=counter(self.job, "gen_us") / 1e6,
+                    **{key: counter(self.job, key) for key in RESUBMITS}, **total)
 
     def close(self):
         """The end of the run (the last broadcast has landed): generators stop, their receivers with them."""
@@ -382,13 +390,15 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
     # a resumed run starts at the checkpoint's version; next_group: taken from the counter, not started yet
     received, saved, next_group, idle_since = engine.version, None, None, None
     # the TCPStore is read, and this rank's counts added to it, every POLL_S, not every engine step (docs/torchrun.md)
-    polled, stop, dropped, counts = 0.0, 0, 0, dict(gen_us=0, gen_tokens=0)
+    polled, stop, dropped, counts, sent = 0.0, 0, 0, dict(gen_us=0, gen_tokens=0), {}
     while True:
         if time.time() - polled >= POLL_S:
             polled = time.time()
-            for key, n in counts.items():
+            # and what the vLLM engine's resubmission counts grew by since the last poll, where they did
+            grown = {k: engine.stats[k] - sent.get(k, 0) for k in RESUBMITS if engine.stats.get(k, 0) > sent.get(k, 0)}
+            for key, n in {**counts, **grown}.items():
                 counter(job, key, n)
-            counts = dict.fromkeys(counts, 0)
+            counts, sent = dict.fromkeys(counts, 0), dict(engine.stats)
             stop = counter(job, "stop")  # before the version: every broadcast published before the stop is received
             dropped = counter(job, "dropped")
             # the last version received, then the new ones, each noted for evaluation if trainer rank 0 asked (it asks

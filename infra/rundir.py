@@ -267,6 +267,12 @@ def per_task(row, key, tasks):
     return f" ({', '.join(parts)})" if parts else ""
 
 
+def generated(source):
+    """source.totals(); in one process with the vLLM engine also its resubmission counts (TrainerLink's hold them)."""
+    stats = getattr(getattr(source, "engine", None), "stats", {})
+    return {**{key: stats[key] for key in dist.RESUBMITS if key in stats}, **source.totals()}
+
+
 class Log:
     """The loop's record: timers and the compute clock on every trainer rank; on trainer rank 0 also the run's files,
     the progress lines, the no-signal warning and the summary (other ranks make the same calls, writing nothing)."""
@@ -299,10 +305,15 @@ class Log:
         check_run_dir(cfg)
         self.path, meta_path = os.path.join(cfg.out_dir, "metrics.jsonl"), os.path.join(cfg.out_dir, "config.json")
         # a fresh start over a failed one starts a fresh log; a resume whose step's evaluation row was lost (a torn last
-        # line) evaluates that step again
+        # line, a rank lost before it came back) evaluates that step again, and names those of earlier steps (under
+        # torchrun their evaluations may end after the checkpoint: docs/torchrun.md), whose weights are gone
         rows = [r for r in read_metrics(self.path) if r["step"] <= step] if cfg.resume else []
-        self.lost_eval = cfg.resume and step % cfg.eval_every == 0 and not any(
-            r["step"] == step and "eval" in r for r in rows)
+        logged = {r["step"] for r in rows if "eval" in r}
+        missing = [s for s in range(0, step + 1, cfg.eval_every) if s not in logged] if cfg.resume else []
+        self.lost_eval = step in missing
+        if lost := [s for s in missing if s != step]:
+            print(f"held-out rows lost: steps {lost} (asked, never logged: the job ended before they came back; the "
+                  f"checkpoint holds step {step}'s weights, not theirs, so they stay missing)", flush=True)
         text = "".join(json.dumps(r) + "\n" for r in rows)
         write_atomic(self.path, lambda tmp: pathlib.Path(tmp).write_text(text), len(text))
         self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
@@ -358,7 +369,7 @@ class Log:
 
     def begin(self, source):
         """A step starts: its clocks, and the generation counters before it."""
-        self.t0, self.c0, self.gen0 = time.time(), time.process_time(), source.totals()
+        self.t0, self.c0, self.gen0 = time.time(), time.process_time(), generated(source)
 
     def step(self, step, batch, stats, source, bad_run):
         """The clock advanced; on rank 0 the step's row logged (keys in the README's glossary) and its progress line."""
@@ -368,7 +379,7 @@ class Log:
         self.clock["cpu_hours"] += (time.process_time() - self.c0) / 3600
         if self.job.rank != 0:
             return ""
-        gen, samples = source.totals(), [s for g in batch.groups for s in g]
+        gen, samples = generated(source), [s for g in batch.groups for s in g]
         # seconds spent generating during the step (all generator ranks)
         gen_s = gen["gen_s"] - self.gen0["gen_s"]
         row = dict(step=step, **self.clock, policy_version=source.version, reward=np.mean([s.reward for s in samples]),
@@ -386,6 +397,10 @@ class Log:
         for t in dict.fromkeys(self.task_of.values()):
             if mine := [s.reward for s in samples if self.task_of[s.prompt_id] == t]:
                 row[f"reward_{t}"] = np.mean(mine)
+        if "resubmits" in gen:  # vLLM: the prefix its resubmitted requests computed again, their mean wait to resume
+            n, grown = gen["resubmits"] - self.gen0["resubmits"], {k: gen[k] - self.gen0[k] for k in dist.RESUBMITS}
+            row.update(reprefill_tokens=grown["reprefill_tokens"],
+                       resubmit_wait_s=grown["resubmit_wait_us"] / 1e6 / n if n else None)
         self.write(row)
         # no group with a learning signal for 5 steps in a row: the likeliest reason
         self.idle = self.idle + 1 if row["zero_var_frac"] == 1 else 0

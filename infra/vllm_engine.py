@@ -11,6 +11,7 @@ import random
 import re
 import sys
 import tempfile
+import time
 from functools import partial
 
 import torch
@@ -189,9 +190,10 @@ def vllm_share(most, free, total, outside):
 
 
 class VLLMEngine(Engine):
-    """One `step()` is one vLLM engine step; `self.model` is a meta-device copy of the model (names, shapes, dtypes)."""
+    """One `step()` is one vLLM engine step; `self.model` is a meta-device copy of the model (names, shapes, dtypes).
+    `kv_seqs`: the full-length sequences the KV cache holds where it is not a GPU's share (default: `slots`)."""
     def __init__(self, model, *, slots, head_dtype=torch.float32, seed=0, gpu_share=0.9, child=None,
-                 bucket_bytes=1 << 30, **rules):
+                 bucket_bytes=1 << 30, kv_seqs=None, **rules):
         super().__init__(seed=seed, **rules)
         if 0 < self.temperature < 0.01:
             raise ValueError(f"temperature {self.temperature} is below vLLM's floor 0.01; use 0 (greedy) or >= 0.01")
@@ -199,13 +201,13 @@ class VLLMEngine(Engine):
         self.slots, self.bucket_bytes = slots, bucket_bytes
         self.dir = tempfile.TemporaryDirectory(prefix="scalerl-vllm-")  # the config for vLLM, no weights
         model.config.save_pretrained(self.dir.name)
-        # KV cache: a generator rank's share of its GPU (CUDA graphs); else room for `slots` full sequences, eager
+        # KV cache: a generator rank's share of its GPU (CUDA graphs); else room for `kv_seqs` full sequences, eager
         cfg, dtype = model.config, next(model.parameters()).dtype
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads  # GPT-2: none of its own
         kv_bytes = 2 * cfg.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
         memory = {} if self.child and torch.cuda.is_available() else \
-            dict(kv_cache_memory_bytes=kv_bytes * slots * (self.max_len + 128), enforce_eager=True)
+            dict(kv_cache_memory_bytes=kv_bytes * (kv_seqs or slots) * (self.max_len + 128), enforce_eager=True)
         self.model = copy.deepcopy(model, {id(p): torch.nn.Parameter(p.to("meta"), False) for p in model.parameters()})
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where weight buckets land
         self.outside = outside_share(self.model, bucket_bytes, self.child)
@@ -213,16 +215,25 @@ class VLLMEngine(Engine):
             free, total = torch.cuda.mem_get_info()
             outside = sum(self.outside.values()) - self.outside["CUDA context, this process"]
             memory["gpu_memory_utilization"] = vllm_share(gpu_share, free, total, outside)
+        # requests past what the KV cache holds wait in vLLM's queue; under "fcfs" an interrupted request's resubmission
+        # (a new request: `step`) would join it at the back, behind every later one. "priority" orders the queue by
+        # (priority, arrival) (v1/core/sched/request_queue.py:131-157, v1/request.py:357-367), a request's priority
+        # its first submission's place (`_submit`): the free blocks go to the earliest waiting request first (a waiting
+        # request that finds none ends the admission, scheduler.py:1275-1283), a preempted one keeps its place
+        # (scheduler.py:1613, prepend_request is a push), and a preemption takes the latest request (scheduler.py:796)
         self.llm = start_vllm(self.child, model=self.dir.name, load_format="dummy", skip_tokenizer_init=True, seed=seed,
                               max_model_len=self.max_len, dtype=str(dtype).removeprefix("torch."), max_num_seqs=slots,
-                              async_scheduling=False, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-                              use_tqdm_on_load=False, disable_log_stats=True, **memory,
-                              hf_overrides=dict(head_dtype="float32" if head_dtype == torch.float32 else "model"))
+                              scheduling_policy="priority", async_scheduling=False, enable_prefix_caching=True,
+                              logprobs_mode="processed_logprobs", use_tqdm_on_load=False, disable_log_stats=True,
+                              hf_overrides=dict(head_dtype="float32" if head_dtype == torch.float32 else "model"),
+                              **memory)
         from vllm.sampling_params import RequestOutputKind, SamplingParams
         # + max_tokens, seed. EOS is ours, not the config's (the tiny model's says 2)
         self.params = partial(SamplingParams, temperature=self.temperature, logprobs=0, ignore_eos=True,
                               stop_token_ids=[self.eos_id], detokenize=False, output_kind=RequestOutputKind.DELTA)
-        self.live, self.resubmitted = {}, {}  # request id -> its Running completion; -> its prefix computed before
+        # request id -> its Running completion; -> its first submission's place; a resubmission's -> (the prefix
+        # computed before, when it was resubmitted)
+        self.live, self.order, self.resubmitted = {}, {}, {}
         self.rng = torch.Generator().manual_seed(seed)
         self.paused = False  # child: the engine core is paused for a weight load, until the next step()
         # the receive buffer: for a child on this GPU, which holds it too (`shared`), made once at its final size; else
@@ -230,7 +241,7 @@ class VLLMEngine(Engine):
         self.ipc, self.shared = self.child and self.device.type == "cuda", None
         self.bufs = {0: torch.empty(self.outside["receive buffer (the largest bucket)"], dtype=torch.uint8,
                                     device=self.device)} if self.ipc else {}
-        self.stats["reprefill_tokens"] = 0
+        self.stats.update(reprefill_tokens=0, resubmits=0, resubmit_wait_us=0)
         # the core's output LLMEngine.step reads, stamped with its tokens' version (a list: the core must not hold self)
         self.last, get_output = [None], self.llm.engine_core.get_output
 
@@ -310,9 +321,13 @@ class VLLMEngine(Engine):
         done = []
         for out in outs:
             completion, run, rid, what = out.outputs[0], self.live[out.request_id], out.request_id, None
-            # an interrupted request's resubmission: the prefix it computes again (all of it after an update: another
-            # version's blocks never hit, the salt enters every hash)
-            self.stats["reprefill_tokens"] += max(0, self.resubmitted.pop(rid, 0) - (out.num_cached_tokens or 0))
+            # an interrupted request's resubmission, its first token: the prefix it computed again (all of it after an
+            # update: another version's blocks never hit, the salt enters every hash), and its wait since resubmitted
+            if rid in self.resubmitted:
+                computed, since = self.resubmitted.pop(rid)
+                self.stats["reprefill_tokens"] += max(0, computed - (out.num_cached_tokens or 0))
+                self.stats["resubmits"] += 1
+                self.stats["resubmit_wait_us"] += int((time.time() - since) * 1e6)
             self.stats["busy_slot_steps"] += bool(completion.token_ids)
             # one token per step (no async scheduling); stop at the one that ends or interrupts the request
             for token, lp in zip(completion.token_ids, completion.logprobs):
@@ -325,23 +340,29 @@ class VLLMEngine(Engine):
             if what:  # the abort is a no-op where vLLM stopped it already (EOS, max_tokens)
                 self.llm.abort_request([rid])
                 del self.live[rid]
-            # vLLM cannot append to a running request: an interrupted one is resubmitted with the phrase
+                order = self.order.pop(rid)
+            # vLLM cannot append to a running request: an interrupted one is resubmitted with the phrase, in its place
             if what == "interrupt":
-                self._submit(run, len(run.sample.prompt_tokens) + len(run.sample.tokens) - len(self.interrupt_ids))
+                computed = len(run.sample.prompt_tokens) + len(run.sample.tokens) - len(self.interrupt_ids)
+                self._submit(run, computed, order)
             elif what:
                 self._finish(run.sample, done)
         return done
 
-    def _submit(self, run, computed=0):
+    def _submit(self, run, computed=0, order=None):
         """A request for `run`'s budgets, salted with the current version; one prefill each, so ids are unique.
-        `computed`: tokens of its prompt an earlier request computed. Its own seed from `rng`, on a GPU too: model
-        runner V2 draws every request's tokens in one Gumbel kernel from its seed and position
+        `computed`, `order`: tokens of its prompt an earlier request computed, and that request's place in the queue
+        (vLLM's priority, lower first; a new completion's: its prefill's number). Its own seed from `rng`, on a GPU too:
+        model runner V2 draws every request's tokens in one Gumbel kernel from its seed and position
         (v1/worker/gpu/sample/sampler.py:343-352, gumbel.py:176-198); a seed only rules out the fused FlashInfer
         sampler (sampler.py:307-312), which processed logprobs rule out already."""
         s, rid = run.sample, f"{run.sample.group}-{self.stats['prefills']}"
         seed = int(torch.randint(2 ** 31, (1,), generator=self.rng))
         prompt = dict(type="token", prompt_token_ids=s.prompt_tokens + s.tokens, cache_salt=f"v{self.version}")
         max_tokens = run.left + (self.answer_budget if run.thinking else 0)
-        self.llm.add_request(rid, prompt, self.params(max_tokens=max_tokens, seed=seed))
-        self.live[rid], self.resubmitted[rid] = run, computed
+        order = self.stats["prefills"] if order is None else order
+        self.llm.add_request(rid, prompt, self.params(max_tokens=max_tokens, seed=seed), priority=order)
+        self.live[rid], self.order[rid] = run, order
+        if computed:
+            self.resubmitted[rid] = computed, time.time()
         self.stats["prefills"] += 1

@@ -49,7 +49,7 @@ WITHOUT_VLLM = {"PYTHONPATH": os.pathsep.join(filter(None, [os.path.join(ROOT, "
 
 
 TIMING = {"dt", "device_hours", "cpu_hours", "gen_tok_s", "train_tok_s", "gen_busy", "train_busy",
-          "sync_s"}  # wall-clock fields of a metrics row: the rest of a run repeats exactly
+          "sync_s", "resubmit_wait_s"}  # wall-clock fields of a metrics row: the rest of a run repeats exactly
 
 
 def scalerl_command(*args):

@@ -344,20 +344,22 @@ def test_torchrun_sigkill_and_resume_until_done(base):
     """torchrun with 3 ranks (2 FSDP2 trainers, 1 generator): SIGKILL the whole job at random moments and --resume it
     with the same layout until it finishes. Generation runs asynchronously beside training, so a resumed job is not
     bit-identical to an uninterrupted one; what must hold is the log: every step once and in order, evals on
-    schedule, the policy version equal to the step, the compute axis never going back, the generator's curriculum
-    saved beside the checkpoint."""
-    out, rng, kills = base / "torchrun_killed", random.Random(5), 0
+    schedule (less any a resume names lost: asked before a checkpoint, ended after it), the policy version equal to
+    the step, the compute axis never going back, the generator's curriculum saved beside the checkpoint."""
+    out, rng, kills, lost = base / "torchrun_killed", random.Random(5), 0, set()
     args = ("--max_steps=10", "--ckpt_every=2", "--gen_ranks=1", "--zero_var_filter=false")
     for attempt in range(8):
         resume = ("--resume",) if os.path.exists(out / "ckpt.pt") else ()
         cmd = torchrun_command("--standalone", "--nproc_per_node=3", *command(out, *args, *resume)[1:])
         proc = subprocess.Popen(cmd, env={**ENV, "OMP_NUM_THREADS": "1"}, cwd=ROOT,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         if kills < 2:  # the launcher and every rank at once, as a lost node would, a step into the (re)start: the
             # steps are fast enough that a kill timed from the start alone can land after the run's end
             kills += kill_when_under_way(proc, out, resume, rng.uniform(0.0, 0.5),
                                          lambda: os.killpg(proc.pid, signal.SIGKILL), new_steps=1)
-        _, err = proc.communicate(timeout=600)
+        text, err = proc.communicate(timeout=600)
+        # an evaluation asked before a checkpoint may end after it: a kill then loses its row, and a resume names it
+        lost |= {int(n) for x in re.findall(r"held-out rows lost: steps \[([\d, ]*)\]", text) for n in x.split(",")}
         if proc.returncode == 0:
             break
         assert proc.returncode == -signal.SIGKILL, err[-3000:]
@@ -365,7 +367,7 @@ def test_torchrun_sigkill_and_resume_until_done(base):
     rows = read_jsonl(out / "metrics.jsonl")
     train = [r for r in rows if "pass_rate" not in r]
     assert [r["step"] for r in train] == list(range(1, 11))
-    assert [r["step"] for r in rows if "pass_rate" in r] == [0, 2, 4, 6, 8, 10]
+    assert [r["step"] for r in rows if "pass_rate" in r] == [s for s in (0, 2, 4, 6, 8, 10) if s not in lost]
     assert all(r["policy_version"] == r["step"] and r["lag_max"] <= 2 for r in train)
     for kind in (True, False):  # evaluations run on the generator ranks and land in the log a little later
         hours = [r["device_hours"] for r in rows if ("pass_rate" in r) == kind]

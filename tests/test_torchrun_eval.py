@@ -7,9 +7,11 @@ trainer, waiting for rollouts, would give up after --dist_timeout were they held
 tests/test_torchrun_eval.py (a minute or two on 2 CPU cores).
 """
 import os
+import re
 import subprocess
 
 import pytest
+import torch
 
 from conftest import ENV, ROOT, read_jsonl, torchrun_command as torchrun
 
@@ -34,6 +36,29 @@ def test_an_evaluation_longer_than_the_time_out_runs_beside_the_rollouts(tmp_pat
     # weights landed while it ran: its tokens came from the asked version and later ones
     lo, hi = evals[0]["eval_versions"]
     assert lo == 0 and hi > 0
+
+
+@pytest.mark.slow
+def test_a_checkpoint_is_written_before_the_wait_on_evaluations(tmp_path):
+    """Nothing trained is lost to a wait: a 2-rank run (1 trainer, 1 generator) whose evaluations (384 held-out prompts
+    x 8) outlast --dist_timeout keeps its step-6 checkpoint whatever the wait before the end gives. A wait that gives
+    up names the rows it could not get; --resume evaluates the checkpoint's own step again and names the others."""
+    out, due = tmp_path / "run", {0, 3, 6}
+    run = ("--standalone", "--nproc_per_node=2", "scalerl.py", "--config", "tiny", f"--out_dir={out}", "--sft_steps=0",
+           "--max_steps=6", "--eval_every=3", "--eval_prompts=384", "--eval_samples=8", "--dist_timeout=20")
+    p = subprocess.run(torchrun(*run), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 6, p.stdout[-3000:] + p.stderr[-3000:]
+    logged = {r["step"] for r in read_jsonl(out / "metrics.jsonl") if "pass_rate" in r}
+    if p.returncode == 0:  # the generator kept up
+        assert logged == due
+        return
+    steps = lambda text: [sorted(map(int, re.findall(r"\d+", x))) for x in re.findall(  # noqa: E731
+        r"held-out rows lost: steps \[([\d, ]*)\]", text)]
+    assert steps(p.stderr) == [sorted(due - logged)], p.stderr[-3000:]
+    p = subprocess.run(torchrun(*run, "--resume"), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert steps(p.stdout) == ([sorted(due - logged - {6})] if due - logged - {6} else []), p.stdout[-3000:]
+    assert {r["step"] for r in read_jsonl(out / "metrics.jsonl") if "pass_rate" in r} == logged | {6}
 
 
 def test_held_out_groups_keep_their_share_of_the_slots_and_come_back_whole():

@@ -140,8 +140,8 @@ def test_every_request_carries_its_own_seed_on_a_gpu_too(tiny, monkeypatch):
     for device in ("cpu", "cuda"):
         e = vllm_engine(model, tok, cfg, seed=4)
         add = e.llm.add_request
-        monkeypatch.setattr(e.llm, "add_request", lambda rid, prompt, params, add=add, d=device: seen.append(
-            (d, params.seed)) or add(rid, prompt, params))
+        monkeypatch.setattr(e.llm, "add_request", lambda rid, prompt, params, add=add, d=device, **kw: seen.append(
+            (d, params.seed)) or add(rid, prompt, params, **kw))
         e.device = torch.device(device)  # what a generator rank's engine has; sampling itself still runs on the CPU
         e.generate(templates(tok, 2), 2)
     cpu, cuda = ([seed for d, seed in seen if d == kind] for kind in ("cpu", "cuda"))
@@ -413,6 +413,36 @@ def test_an_interruption_counts_the_prefix_it_prefills_again(tiny):
     assert len(prefixes) >= 8 and eng.stats["reprefill_tokens"] == sum(prefixes)
 
 
+def test_an_interrupted_request_keeps_its_place_in_vllms_queue(tiny, monkeypatch):
+    """A KV cache of 2 full-length sequences beside 16 slots: vLLM queues the requests it cannot hold. An interrupted
+    request's resubmission (a new request: vLLM cannot append the phrase to a running one) keeps its first arrival as
+    its priority, so it starts again before every later request still waiting (FCFS would put it behind them all),
+    and its wait is counted (stats resubmits, resubmit_wait_us)."""
+    model, tok, cfg = tiny
+    init = VLLMEngine.__init__
+    monkeypatch.setattr(VLLMEngine, "__init__", lambda self, *args, **kw: init(self, *args, **{**kw, "kv_seqs": 2}))
+    eng = vllm_engine(model, tok, cfg, think_min=6, think_max=10, answer_budget=5, slots=16, seed=7)
+    first, steps, step = {}, [0], eng.llm.step  # request id -> the engine step of its first token
+
+    def spy():
+        outs = step()
+        first.update((o.request_id, steps[0]) for o in outs if o.outputs[0].token_ids and o.request_id not in first)
+        steps[0] += 1
+        return outs
+    eng.llm.step = spy
+    for t in templates(tok, 16):
+        eng.add(t, 1)
+    later = {}  # a resubmission's id -> the requests that arrived after it and were waiting when it was resubmitted
+    while eng.busy:
+        eng.step()
+        for rid in set(eng.resubmitted) - set(later):
+            later[rid] = [r for r in eng.live if r not in first and eng.order[r] > eng.order[rid]]
+    assert max(len(rs) for rs in later.values()) >= 8, later  # a queue formed: more requests than the cache holds
+    ahead = {rid: [r for r in rs if first[r] < first[rid]] for rid, rs in later.items()}
+    assert not any(ahead.values()), ahead
+    assert eng.stats["resubmits"] == len(later) and eng.stats["resubmit_wait_us"] > 0
+
+
 def test_forced_interruption_is_masked_and_answer_budget_holds(tiny):
     model, tok, cfg = tiny
     cfg = replace(cfg, think_min=6, think_max=10, answer_budget=5)
@@ -473,6 +503,8 @@ def test_smoke_run_with_vllm_engine(learning_run):
     assert [r["step"] for r in rows if "reward" in r] == list(range(1, 41)) and "--max_steps=40" in LEARNS
     assert json.load(open(path / "config.json"))["config"]["engine"] == "vllm"
     assert torch.load(path / "ckpt.pt", weights_only=True)["step"] == 40
+    train = [r for r in rows if "reward" in r]  # the engine's resubmissions, each step's
+    assert sum(r["reprefill_tokens"] for r in train) > 0 and any(r["resubmit_wait_s"] for r in train)
 
 
 @pytest.mark.slow
@@ -518,6 +550,9 @@ def test_torchrun_generator_rank_on_vllm_through_a_preemption(runs):
     assert [r["step"] for r in train] == list(range(1, 9)) and sum(r["gen_tok_s"] for r in train) > 0
     assert all(r["policy_version"] == r["step"] and r["lag_max"] <= 2 for r in train)
     assert any(r["lag_max"] >= 1 for r in train)  # the generator went on while the trainer stepped
+    # the generator's resubmissions reach trainer rank 0's log through the job's counters
+    waits = [r["resubmit_wait_s"] for r in train if r["resubmit_wait_s"] is not None]
+    assert sum(r["reprefill_tokens"] for r in train) > 0 and waits and min(waits) > 0
 
 
 @pytest.mark.slow
