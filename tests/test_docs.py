@@ -1,10 +1,16 @@
 """The README and docs/ hold together: every relative link and image names a file that exists, and every #anchor a
 heading of the page it points into (GitHub's slugs), so moving text between pages cannot leave a reader stranded."""
+import dataclasses
 import glob
+import json
 import os
 import re
+import subprocess
+import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ENV
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # noqa: the same as conftest's
 PAGES = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
 
 
@@ -44,3 +50,50 @@ def test_the_checker_sees_links_and_anchors():
     assert "docs/measurements.md#the-quick-start" in links(readme)
     assert "the-quick-start" in anchors(os.path.join(ROOT, "docs", "measurements.md"))
     assert "the-plan---dry_run" in anchors(os.path.join(ROOT, "docs", "torchrun.md"))
+
+
+def python_blocks(path):
+    """The ```python blocks of a page, in order."""
+    return re.findall(r"^```python\n(.*?)^```$", open(path, encoding="utf-8").read(), flags=re.M | re.S)
+
+
+def run_blocks(blocks, cwd):
+    """Each block run as its own script, in one process with the project root on the path; the process."""
+    runner = "import json, sys\nfor block in json.loads(sys.argv[1]): exec(compile(block, 'block', 'exec'), {})"
+    env = {**ENV, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-c", runner, json.dumps(blocks)], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+RECIPE = os.path.join(ROOT, "docs", "recipe.md")
+
+
+def test_the_recipe_page_names_code_that_exists_and_flags_that_are_options():
+    """Every `file.py:name` of docs/recipe.md is a function, class, method or table of that file, and every --flag
+    of its ingredients an option of Config (or of sigmoid_fit's command line)."""
+    import importlib
+    import scalerl
+    text = open(RECIPE, encoding="utf-8").read()
+    named = re.findall(r"`((?:infra/)?\w+)\.py:([\w.]+)`", text)
+    assert len(named) >= 25, named
+    missing = []
+    for module, attr in named:
+        obj = importlib.import_module(module.replace("/", "."))
+        for part in attr.split("."):
+            obj = getattr(obj, part, None)
+        missing += [f"{module}.py:{attr}"] * (obj is None)
+    assert not missing, missing
+    ingredients = text.partition("## Extend it")[0]
+    fields = {f.name for f in dataclasses.fields(scalerl.Config)}
+    fit_options = set(re.findall(r'"--([\w-]+)"', open(os.path.join(ROOT, "sigmoid_fit.py")).read()))
+    flags = set(re.findall(r"--(\w[\w-]*)", ingredients))
+    assert len(flags) >= 20 and not flags - fields - fit_options, flags - fields - fit_options
+
+
+def test_the_recipe_pages_examples_run(tmp_path):
+    """The new loss, reward and task of docs/recipe.md, each block as a user would paste it."""
+    blocks = python_blocks(RECIPE)
+    assert len(blocks) == 3 and "LOSSES" in blocks[0] and "CHECKERS" in blocks[1] and "load_problems" in blocks[2]
+    p = run_blocks(blocks, tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "ratio max 9.0" in p.stdout and "297 train / 100 held-out" in p.stdout, p.stdout  # 3 repeats of a held-out question dropped
