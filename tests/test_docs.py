@@ -97,3 +97,27 @@ def test_the_recipe_pages_examples_run(tmp_path):
     p = run_blocks(blocks, tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "ratio max 9.0" in p.stdout and "297 train / 100 held-out" in p.stdout, p.stdout  # 3 repeats of a held-out question dropped
+
+
+def test_every_table_renders():
+    """A markdown table is a header row, a |---| row and rows of the header's cell count, each on its own line (an
+    escaped \\| is text): a row wrapped onto the next line, or rows run together on one, renders as broken text."""
+    bad = []
+    for page in PAGES:
+        lines = open(page, encoding="utf-8").read().split("\n")
+        rows = [(i, ln.strip()) for i, ln in enumerate(lines) if ln.strip().startswith("|") or "|---" in ln]
+        tables, last = [], None
+        for i, row in rows:  # consecutive rows make a table
+            if last is None or i != last + 1:
+                tables.append([])
+            tables[-1].append((i, row))
+            last = i
+        for table in tables:
+            cells = [len(re.split(r"(?<!\\)\|", row)) for _, row in table]
+            where = f"{os.path.relpath(page, ROOT)}:{table[0][0] + 1}"
+            if len(table) == 1 and not table[0][1].endswith("|"):
+                continue  # a line of prose that starts with |x|
+            if len(table) < 2 or not re.fullmatch(r"\|(-+\|)+", table[1][1]) or len(set(cells)) > 1 or any(
+                    not row.endswith("|") or "|---" in row and k != 1 for k, (_, row) in enumerate(table)):
+                bad.append(where)
+    assert not bad, bad
