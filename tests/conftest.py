@@ -109,6 +109,7 @@ def finished_run(tmp_path_factory):
     p = run_command(scalerl_command("--config", "smoke", "--threads=1", f"--out_dir={out}", "--max_steps=2",
                                     "--zero_var_filter=false"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (out.parent / "stdout.txt").write_text(p.stdout)  # what it printed, beside it (tests/test_docs.py reads it)
     return out
 
 
