@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import ENV
+from conftest import ENV, python_blocks, scalerl_commands
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # noqa: the same as conftest's
 PAGES = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
@@ -57,11 +57,6 @@ def test_the_checker_sees_links_and_anchors():
     assert "the-plan---dry_run" in anchors(os.path.join(ROOT, "docs", "torchrun.md"))
 
 
-def python_blocks(path):
-    """The ```python blocks of a page, in order."""
-    return re.findall(r"^```python\n(.*?)^```$", open(path, encoding="utf-8").read(), flags=re.M | re.S)
-
-
 def run_blocks(blocks, cwd):
     """Each block run as its own script, in one process with the project root on the path; the process."""
     runner = "import json, sys\nfor block in json.loads(sys.argv[1]): exec(compile(block, 'block', 'exec'), {})"
@@ -101,7 +96,8 @@ def test_the_recipe_pages_examples_run(tmp_path):
     assert len(blocks) == 3 and "LOSSES" in blocks[0] and "CHECKERS" in blocks[1] and "load_problems" in blocks[2]
     p = run_blocks(blocks, tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "ratio max 9.0" in p.stdout and "297 train / 100 held-out" in p.stdout, p.stdout  # 3 repeats of a held-out question dropped
+    # 297: the 3 training rows that repeat a held-out question are dropped
+    assert "ratio max 9.0" in p.stdout and "297 train / 100 held-out" in p.stdout, p.stdout
 
 
 def test_every_table_renders():
@@ -155,17 +151,6 @@ def test_the_readme_is_short_and_its_code_maps_line_counts_are_the_files():
     wrong += [f"{name}: {n} lines in the README, {real:,} in the files" for name, n, real in totals
               if int(n.replace(",", "")) != real]
     assert not wrong, "\n".join(wrong)
-
-
-def scalerl_commands(page):
-    """The `python scalerl.py ...` and `torchrun ... scalerl.py ...` lines of a page's code blocks: their words."""
-    import shlex
-    for line in open(page, encoding="utf-8").read().split("\n"):
-        code = line.strip().partition("  #")[0].rpartition("&& ")[2]  # pip install ... && python scalerl.py
-        if line.startswith("    ") and (code.startswith("python scalerl.py") or code.startswith("torchrun")):
-            words = shlex.split(code)
-            if "scalerl.py" in words and "--help" not in words:
-                yield code, words[words.index("scalerl.py") + 1:]
 
 
 @pytest.mark.parametrize("page", ["README.md", "docs/own-model-and-data.md", "docs/miniature.md"])
