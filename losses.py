@@ -120,8 +120,8 @@ def policy_loss(logp, gen_logp, adv, mask, weights, loss="cispo", **kw):
         return total, dict.fromkeys(DIAGNOSTICS, 0.0) | dict(n_tokens=0)
     with torch.no_grad():
         rho, a = torch.exp(logp - gen_logp), _per_token(adv, logp).expand_as(logp)  # (B, T) token ratios, advantages
-        if loss == "cispo":  # truncated: the weight was capped
-            clipped = rho > opts["eps_max"]
+        if "eps_high" not in opts:  # truncated (CISPO, or a loss without PPO's clip): the weight was capped
+            clipped = rho > opts.get("eps_max", float("inf"))
         else:  # the clipped branch is the minimum: this token's gradient is zero
             r = rho if loss != "gspo" else torch.exp(_seq_log_ratio(logp, gen_logp, mask))[:, None].expand_as(rho)
             clipped = ((a > 0) & (r > 1 + opts["eps_high"])) | ((a < 0) & (r < 1 - opts["eps_low"]))

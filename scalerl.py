@@ -85,7 +85,7 @@ class Config:
     beta2: float = 0.99                # AdamW beta2
     grad_clip: float = 1.0             # max gradient norm
     # run: where it is written, how long, how it is evaluated and kept
-    out_dir: str = "out/tiny"          # run directory: config.json, metrics.jsonl, ckpt.pt, curve.png
+    out_dir: str = "out/tiny"          # run directory; default out/<preset> (a --model alone: out/hub), -s<rl_seed>
     seed: int = 0                      # seeds the task and held-out set, model init, warm start, and (rl_seed -1) RL
     rl_seed: int = -1                  # seeds RL alone (curriculum order, sampling, evaluation draws); -1: --seed.
                                        # Varying it keeps the task, held-out set and starting model: seed noise

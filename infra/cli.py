@@ -61,6 +61,8 @@ def parse_args(argv, config_cls, presets):
     if extra:
         near = difflib.get_close_matches(key := extra[0][2:].partition("=")[0], kinds, n=1)
         fail(f"unknown option --{key}" + (f"; did you mean --{near[0]}?" if near else "; see --help"))
+    # each preset its own run directory, each --rl_seed its own (runs/ablations.py names its runs the same way)
+    over.setdefault("out_dir", f"out/{base}" + (f"-s{over['rl_seed']}" if over.get("rl_seed", -1) >= 0 else ""))
     cfg = config_cls(**{**presets[base], **over})
     saved = os.path.join(cfg.out_dir, "config.json")
     if (cfg.resume or cfg.eval_only or cfg.export) and os.path.exists(saved):
@@ -79,7 +81,8 @@ def help_text(config_cls, presets, base, model):
     """--help: the presets, then each option's default (preset `base`'s, and --model) and comment, by section. From
     the class source: a field's trailing comment, continued by the comment-only lines indented under it; a
     comment-only line at the fields' own indent starts a section."""
-    start, names, options = {**presets[base], "model": model}, {f.name for f in fields(config_cls)}, []
+    start, options = {**presets[base], "model": model, "out_dir": f"out/{base}"}, []
+    names = {f.name for f in fields(config_cls)}
     for line in textwrap.dedent(inspect.getsource(config_cls)).splitlines():
         code, _, comment = (part.strip() for part in line.partition("#"))
         if (name := code.partition(":")[0]) in names:

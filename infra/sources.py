@@ -11,10 +11,12 @@ import os
 import pathlib
 import random
 import select
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 
 import torch
 
@@ -134,6 +136,18 @@ PRESETS = {  # name -> (hub dataset, config, question column, answer column, ans
 FILE_TYPES = (".json", ".jsonl", ".parquet")
 
 
+def reach_hub(what, offline, instead):
+    """Unless offline, fail in one line when the hub's host cannot be reached in 5 s: the libraries would retry for
+    a minute or more before failing, or before falling back to their cache (docs/own-model-and-data.md)."""
+    from huggingface_hub import constants
+    url = urllib.parse.urlsplit(constants.ENDPOINT)
+    try:
+        offline or socket.create_connection((url.hostname, url.port or {"https": 443}.get(url.scheme, 80)), 5).close()
+    except OSError as e:
+        fail(f"{what}the hub ({constants.ENDPOINT}) cannot be reached ({e.strerror or type(e).__name__}); set "
+             f"HF_HUB_OFFLINE=1 to use what is cached, or {instead}")
+
+
 def _read_file(path):
     """A local file's rows; a file that is not a list of records names itself and, where it can, the line."""
     if not path.endswith(FILE_TYPES) or not os.path.isfile(path):
@@ -173,6 +187,7 @@ def _dataset_problems(source, data_path=None, prompt_key=None, answer_key=None, 
         rows = _read_file(data_path or source)
     else:
         import datasets
+        reach_hub(f"--task={source}: ", datasets.config.HF_HUB_OFFLINE, "pass --data_path=FILE (a local copy)")
         try:  # offline: from the local cache
             rows = list(datasets.load_dataset(hub, config or hub_config, split=split))
         except Exception as e:  # offline, unreachable or unknown: one actionable line
@@ -286,6 +301,11 @@ def load_data(cfg):
     if len(train) + len(val) < n:
         print0(f"note: {n - len(train) - len(val):,} prompts of over {most:,} characters skipped: none fits "
                f"--max_prompt={cfg.max_prompt} tokens")
+    # a small prompt set used up by the held-out split: said before the first step, with the flags that change it
+    if len(train) < max(4 * cfg.batch_prompts, len(val)):
+        print0(f"warning: {len(train)} training prompts are left beside {len(val)} held out, fewer than " + (
+            f"4 steps of --batch_prompts={cfg.batch_prompts}" if len(train) < 4 * cfg.batch_prompts else "held out") +
+            "; more rows, a smaller --eval_prompts or a smaller --batch_prompts change it")
     # the answer instruction all prompts end with, if one: the export's chat template adds it (rundir.training_template)
     cfg.instruction = next((i for i in (data.MATH_INSTRUCTION, data.CODE_INSTRUCTION, data.RG_INSTRUCTION)
                             if all(p.question.endswith(i) for p in train + val)), "")
@@ -318,6 +338,11 @@ def load_model(cfg, tasks):
     if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
         fail(f"{name} holds no tokenizer ({', '.join(TOKENIZER_FILES)}); save the model's tokenizer into it with "
              "tokenizer.save_pretrained")
+    # a name shaped like a hub name that is no folder here: the hub's answer says why, and no folder is named too
+    nowhere = "" if os.path.isdir(path) else f"no folder {cfg.model!r} exists here, and "
+    if nowhere:
+        from huggingface_hub import constants
+        reach_hub(f"{name}: {nowhere}", constants.HF_HUB_OFFLINE, "pass a local path")
     t0 = time.time()
     print0(f"loading {cfg.model} ...", flush=True)
     try:
@@ -326,7 +351,8 @@ def load_model(cfg, tasks):
             check_model(cfg, AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model)), tok)
         model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
     except (OSError, ValueError) as e:  # a hub name offline or unknown, or a path without a model
-        fail(f"cannot load {name}: {first_line(e)}; pass a local path, or go online once so the hub copy is cached")
+        fail(f"cannot load {name}: {nowhere and nowhere + 'the hub answered: '}{first_line(e)}; pass a local path, "
+             "or go online once so the hub copy is cached")
     if tok.eos_token_id is None:
         fail(f"the tokenizer of --model={cfg.model} has no end-of-sequence token; set eos_token in its config")
     if tok.pad_token_id is None:

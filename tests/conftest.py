@@ -12,6 +12,8 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -62,9 +64,9 @@ def torchrun_command(*args):
     return [sys.executable, "-m", "torch.distributed.run", *args]
 
 
-def run_command(cmd, timeout=600, env=None):
-    """Run `cmd` from the project root with ENV (plus `env`), its text output captured; the CompletedProcess."""
-    return subprocess.run(cmd, cwd=ROOT, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+def run_command(cmd, timeout=600, env=None, cwd=ROOT):
+    """Run `cmd` from the project root (or `cwd`) with ENV (plus `env`), its output captured; the CompletedProcess."""
+    return subprocess.run(cmd, cwd=cwd, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=timeout)
 
 
 def one_line_error(p):
@@ -109,7 +111,25 @@ def finished_run(tmp_path_factory):
     p = run_command(scalerl_command("--config", "smoke", "--threads=1", f"--out_dir={out}", "--max_steps=2",
                                     "--zero_var_filter=false"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (out.parent / "stdout.txt").write_text(p.stdout)  # what it printed, beside it (tests/test_docs.py reads it)
     return out
+
+
+def python_blocks(page):
+    """The ```python blocks of a docs page, in order: the examples a test runs as written."""
+    return re.findall(r"^```python\n(.*?)^```$", open(page, encoding="utf-8").read(), flags=re.M | re.S)
+
+
+def scalerl_commands(page):
+    """The `python scalerl.py ...` and `torchrun ... scalerl.py ...` commands of a page's code blocks (a line ending in
+    a backslash continues on the next), without --help: (the command, its words after scalerl.py)."""
+    text = re.sub(r" \\\n +", " ", open(page, encoding="utf-8").read())
+    for line in text.split("\n"):
+        code = line.strip().partition("  #")[0].rpartition("&& ")[2]  # pip install ... && python scalerl.py
+        if line.startswith("    ") and (code.startswith("python scalerl.py") or code.startswith("torchrun")):
+            words = shlex.split(code)
+            if "scalerl.py" in words and "--help" not in words:
+                yield code, words[words.index("scalerl.py") + 1:]
 
 
 def copy_run(src, dest):

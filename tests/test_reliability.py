@@ -383,3 +383,58 @@ def test_torchrun_sigkill_and_resume_until_done(base):
     before = tree_hashes(out)
     line = one_line_error(run_command(command(out, *args, "--resume"), timeout=300))
     assert line.startswith("error: checkpoint") and "same torchrun" in line and tree_hashes(out) == before
+
+
+# 5. Before the first step: a hub that cannot be reached, and own data used up by the held-out split
+def closed_port():
+    """A local port nothing listens on: a connection to it is refused at once, on any machine, networked or not."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("argv, needle", [(["--model=assets/nope"], "no folder 'assets/nope' exists here"),
+                                          (["--task=gsm8k", "--model=assets/nope"], "--data_path=FILE")])
+def test_a_hub_that_cannot_be_reached_is_one_line_naming_offline_mode(tmp_path, monkeypatch, capsys, argv, needle):
+    """Online mode and no hub: one line at once (the libraries would retry for a minute), saying what to do."""
+    import datasets.config
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{closed_port()}")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    line = refused(capsys, *argv, f"--out_dir={tmp_path / 'run'}")
+    assert "cannot be reached" in line and "HF_HUB_OFFLINE=1" in line and needle in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_offline_a_missing_folder_says_so_beside_the_hubs_answer(tmp_path, capsys):
+    line = refused(capsys, "--model=assets/nope", f"--out_dir={tmp_path / 'run'}")
+    assert "no folder 'assets/nope' exists here, and the hub answered: " in line, line
+
+
+@pytest.mark.slow
+def test_the_real_command_without_offline_mode_fails_in_one_line(tmp_path):
+    """The real command with HF_HUB_OFFLINE unset and the hub's address a closed local port: one line, no retries;
+    the time it took is printed (the goal is seconds, not the minute of retries)."""
+    env = {k: v for k, v in ENV.items() if not k.endswith("_OFFLINE")}
+    env["HF_ENDPOINT"] = f"http://127.0.0.1:{closed_port()}"
+    t0 = time.time()
+    p = subprocess.run(scalerl_command("--model=Qwen/Qwen3-0.6B", f"--out_dir={tmp_path / 'run'}"), cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    print(f"refused in {time.time() - t0:.1f}s")
+    line = one_line_error(p)
+    assert "cannot be reached" in line and "HF_HUB_OFFLINE=1" in line and "Retrying" not in p.stdout, line
+
+
+def test_a_prompt_set_used_up_by_the_held_out_split_is_a_warning_naming_the_flags(tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(f'{{"problem": "What is {i} + 1?", "answer": "{i + 1}"}}\n' for i in range(300)))
+    train, val, _ = sources.load_data(scalerl.parse_args(["--model=./mine", f"--task={rows}"]))  # the hub preset
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("warning:"))
+    assert (len(train), len(val)) == (44, 256) and "44 training prompts" in line and "256 held out" in line
+    assert "4 steps of --batch_prompts=32" in line and "--eval_prompts" in line
+    sources.load_data(scalerl.parse_args([f"--task={rows}", "--model=./mine", "--eval_prompts=160"]))
+    assert "fewer than held out" in capsys.readouterr().out  # 140 left: 4 steps, but fewer than held out
+    sources.load_data(scalerl.parse_args([]))  # the default run: no warning
+    assert "warning" not in capsys.readouterr().out

@@ -146,7 +146,7 @@ def test_preset_then_overrides():
     smoke = scalerl.PRESETS["smoke"]
     base = asdict(scalerl.Config())
     cfg = asdict(scalerl.parse_args(["--config", "smoke"]))
-    assert cfg == {**base, **smoke}  # exactly the preset's fields change
+    assert cfg == {**base, **smoke, "out_dir": "out/smoke"}  # exactly the preset's fields change, and its run directory
     assert any(base[k] != v for k, v in smoke.items())  # and the preset does change something
     key = "max_steps"
     assert key in smoke
@@ -154,6 +154,21 @@ def test_preset_then_overrides():
         cfg = scalerl.parse_args(argv)
         assert cfg.max_steps == 3
         assert all(getattr(cfg, k) == v for k, v in smoke.items() if k != key)
+
+
+def test_each_preset_and_rl_seed_has_its_own_run_directory_and_is_found_by_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for argv, want in (([], "out/tiny"), (["--config=smoke"], "out/smoke"), (["--model=./mine"], "out/hub"),
+                       (["--config=gsm8k_0.6b"], "out/gsm8k_0.6b"), (["--config=miniature", "--rl_seed=2"],
+                                                                      "out/miniature-s2"), (["--out_dir=x"], "x")):
+        assert scalerl.parse_args(argv + ["--dry_run"]).out_dir == want, argv
+    # --resume, --eval_only and --export read the run that the same --config wrote
+    run = asdict(scalerl.parse_args(["--config=smoke"]))
+    os.makedirs("out/smoke")
+    (tmp_path / "out/smoke/config.json").write_text(json.dumps({"config": {**run, "lr": 0.5}}))
+    for flag in ("--resume", "--eval_only", "--export"):
+        assert scalerl.parse_args(["--config=smoke", flag]).lr == 0.5
+    assert scalerl.parse_args(["--resume"]).lr == scalerl.Config().lr  # out/tiny: no run there
 
 
 @dataclass
