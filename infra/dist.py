@@ -34,6 +34,7 @@ class Dist:
     timeout: float = 60.0                                  # seconds any wait on another rank may take
     groups: dict = field(default_factory=dict)             # "trainer", "weights", generator rank -> rollout group
     store: object = None                                   # the job's TCPStore
+    clock: object = time                                   # time() and sleep(s): runs/rehearse.py passes a virtual one
 
     @property
     def name(self):
@@ -249,15 +250,15 @@ class TrainerLink(BatchSource):
             keys = [f"eval/{v}/{rank}" for rank in self.job.generators]
             if not (v < until or self.job.store.check(keys)):
                 break
-            tokens, since = None, time.time()
+            tokens, since, clock = None, self.job.clock.time(), self.job.clock
             while not self.job.store.check(keys):
                 if patient and tokens != (tokens := counter(self.job, "gen_tokens")):
-                    since = time.time()
-                elif time.time() - since > self.job.timeout:
+                    since = clock.time()
+                elif clock.time() - since > self.job.timeout:
                     gave_up(self.job, f"the held-out pass rate of policy version {v} from generator ranks "
                             f"{self.job.generators}", " (no token generated meanwhile)" if patient
                             else " (an evaluation longer than --eval_every steps: raise --eval_share)")
-                time.sleep(POLL_S)
+                clock.sleep(POLL_S)
             parts = [json.loads(self.job.store.get(key)) for key in keys]
             versions = [x for p in parts for x in p["versions"] or ()] or [v]
             out.append((self.asked.pop(v), [r for p in parts for r in p["results"]], (min(versions), max(versions))))
@@ -320,8 +321,13 @@ class HeldOut:
         self.done[v] = []
         self.asked.add(v)
 
+    @property
+    def reserve(self):
+        """Room training admission leaves free: a held-out group's, while one waits to start within its share."""
+        return self.n if self.todo and (len(self.running) + 1) * self.n <= self.cap else 0
+
     def start(self, engine, everything=False):
-        while self.todo and engine.room >= self.n and (everything or (len(self.running) + 1) * self.n <= self.cap):
+        while self.todo and engine.room >= self.n and (everything or self.reserve):
             v, t = self.todo.pop(0)
             self.running[t.group] = v
             engine.add(t, self.n)
@@ -344,22 +350,45 @@ class HeldOut:
                     versions=(min(versions), max(versions)) if versions else None)
 
 
+def admit(job, rollouts, held_out, next_group, *, mode, k, batch_prompts, group_size, dropped, stop):
+    """A generator's starts for one turn: held-out groups within their share (every slot once training is over,
+    `stop` 1), then training groups under the lag bound while more room than the next held-out group's is free (a
+    slot-bound engine, whose room a training group takes as soon as it is above 0, never frees a held-out group's
+    otherwise: the evaluation would wait for the end of training). Returns the group id taken from the job's counter
+    but not started (it waits for newer weights), or None."""
+    engine = rollouts.engine
+    held_out.start(engine, everything=stop > 0)
+    while engine.room > held_out.reserve and not stop:
+        if next_group is None:
+            next_group = counter(job, "admitted", 1) - 1
+        if next_group >= admission_limit(mode, engine.version, k, batch_prompts, dropped):
+            break  # past the lag bound: it starts once newer weights arrive
+        engine.add(rollouts.next_template(next_group), group_size)
+        next_group = None
+    return next_group
+
+
 def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_path, save_every, bucket_bytes,
-                  held_out):
+                  held_out, send=send_groups, receive=receive_weights, scorer=None):
     """A generator rank until trainer rank 0 says stop. Each turn: take the published weights, note the versions asked
-    for evaluation (`held_out`), send the scored groups and held-out results, start held-out groups within their share
-    of the slots and training groups under the lag bound, one engine step. Stop 1: training is over, evaluations take
-    every slot; 2: stop."""
+    for evaluation (`held_out`), send the scored groups and held-out results, start groups (`admit`), one engine step.
+    Stop 1: training is over, evaluations take every slot; 2: stop.
+    What it takes of the world, real by default, is what runs/rehearse.py replaces to run this same loop in virtual
+    time: `job.clock` (time(), sleep(s)); `job.store` (the TCPStore's add, check, set, get, delete_key; every rank's
+    heartbeat count add(f"alive/{rank}", 0) moves while it lives); `send(job, msg)` and `receive(job, engine,
+    version, bucket_bytes, take, bufs)`; `scorer` (submit(fn, arg) -> a future: done(), result()); `rollouts`
+    (engine, next_template(i), score, keep, info, state_dict) and its engine (add(template, n), step() -> finished
+    groups, room, busy, version, stats["tokens"], and what `receive` loads: load_weights)."""
     engine, bufs = rollouts.engine, {}  # bufs: the reused receive buffer (vLLM)
     # [(future, groups, None) or (future, groups, evaluated version)] in finishing order
-    scorer, scoring = ThreadPoolExecutor(1, thread_name_prefix="score"), []
+    scorer, scoring = scorer or ThreadPoolExecutor(1, thread_name_prefix="score"), []
     # a resumed run starts at the checkpoint's version; next_group: taken from the counter, not started yet
-    received, saved, next_group, idle_since = engine.version, None, None, None
+    received, saved, next_group, idle_since, clock = engine.version, None, None, None, job.clock
     # the TCPStore is read, and this rank's counts added to it, every POLL_S, not every engine step (docs/torchrun.md)
-    polled, stop, dropped, counts = 0.0, 0, 0, dict(gen_us=0, gen_tokens=0)
+    polled, stop, dropped, counts = float("-inf"), 0, 0, dict(gen_us=0, gen_tokens=0)
     while True:
-        if time.time() - polled >= POLL_S:
-            polled = time.time()
+        if clock.time() - polled >= POLL_S:
+            polled = clock.time()
             for key, n in counts.items():
                 counter(job, key, n)
             counts = dict.fromkeys(counts, 0)
@@ -369,7 +398,7 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
             # once it published the version)
             for v in range(received, counter(job, "version") + 1):
                 if v > received:
-                    receive_weights(job, engine, v, bucket_bytes, take=mode == "pipeline" or v % k == 0, bufs=bufs)
+                    receive(job, engine, v, bucket_bytes, take=mode == "pipeline" or v % k == 0, bufs=bufs)
                 if v not in held_out.asked and job.store.check([f"eval/{v}"]):
                     held_out.ask(v)
             received = v
@@ -394,31 +423,25 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
             future.result()
             for s in (s for g in groups for s in g):
                 s.meta = None  # the trainer needs tokens, logprobs, versions and rewards, not the problem
-            send_groups(job, ([(rollouts.keep(g), g) for g in groups], rollouts.info()))
+            send(job, ([(rollouts.keep(g), g) for g in groups], rollouts.info()))
         if stop > 1:
             break
-        held_out.start(engine, everything=stop > 0)
-        while engine.room > 0 and not stop:
-            if next_group is None:
-                next_group = counter(job, "admitted", 1) - 1
-            if next_group >= admission_limit(mode, engine.version, k, batch_prompts, dropped):
-                break  # past the lag bound: it starts once newer weights arrive
-            engine.add(rollouts.next_template(next_group), group_size)
-            next_group = None
-        finished, t, n = [], time.time(), engine.stats["tokens"]
+        next_group = admit(job, rollouts, held_out, next_group, mode=mode, k=k, batch_prompts=batch_prompts,
+                           group_size=group_size, dropped=dropped, stop=stop)
+        finished, t, n = [], clock.time(), engine.stats["tokens"]
         if engine.busy:
             finished, idle_since = engine.step(), None
-            counts["gen_us"] += int((time.time() - t) * 1e6)
+            counts["gen_us"] += int((clock.time() - t) * 1e6)
             counts["gen_tokens"] += engine.stats["tokens"] - n
         else:
-            idle_since = idle_since or time.time()
-            if time.time() - idle_since > job.timeout and not stop:
+            idle_since = idle_since or clock.time()
+            if clock.time() - idle_since > job.timeout and not stop:
                 gave_up(job, f"policy version {received + 1} from trainer rank 0",
                         " (the lag bound admits no new group before it)")
-            time.sleep(0.002)
+            clock.sleep(0.002)
         scoring += [(scorer.submit(rollouts.score if v is None else held_out.score, groups), groups, v)
                     for v, groups in held_out.take(finished)]
-    send_groups(job, None)  # trainer rank 0's receiver for this rank stops
+    send(job, None)  # trainer rank 0's receiver for this rank stops
 
 
 def shard(policy, layers, group, body_dtype=torch.float32):

@@ -220,7 +220,6 @@ def test_a_generator_visits_the_store_on_a_timer_not_every_engine_step(monkeypat
             return getattr(store, name)
     job = dist.Dist(rank=1, world=2, trainers=[0], generators=[1], timeout=30.0, store=Counted())
     sent = []
-    monkeypatch.setattr(dist, "send_groups", lambda job, msg: sent.append(msg))  # the transport is not under test
     tok = data.char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=")
     cfg = scalerl.Config(slots=8, think_min=8, think_max=12, answer_budget=5, max_prompt=64)
     engine = make_engine(cfg, trainer.tiny_model(cfg, len(tok)), tok, 0)
@@ -228,7 +227,8 @@ def test_a_generator_visits_the_store_on_a_timer_not_every_engine_step(monkeypat
     __import__("threading").Timer(2.0, lambda: store.add("stop", 2)).start()  # 2: stop (1: training over)
     t = time.time()
     dist.run_generator(job, rollouts, mode="pipeline", k=8, batch_prompts=4, group_size=2, state_path="/nonexistent",
-                       save_every=10 ** 9, bucket_bytes=1 << 20, held_out=dist.HeldOut(rollouts, [], 2, cap=2))
+                       save_every=10 ** 9, bucket_bytes=1 << 20, held_out=dist.HeldOut(rollouts, [], 2, cap=2),
+                       send=lambda job, msg: sent.append(msg))  # the transport is not under test
     polls, steps, admitted = (time.time() - t) / dist.POLL_S + 1, engine.stats["decode_steps"], store.add("admitted", 0)
     assert steps > 10 and sum(len(m[0]) for m in sent if m) > 4 and None in sent  # it generated, sent, said it stopped
     assert store.add("gen_tokens", 0) == engine.stats["tokens"]  # its counts were flushed before it stopped

@@ -70,3 +70,39 @@ def test_held_out_groups_keep_their_share_of_the_slots_and_come_back_whole():
     nothing = dist.HeldOut(rollouts, [], 2, cap=4)
     nothing.ask(3)
     assert nothing.take([]) == [(3, [])] and nothing.score([]) == dict(results=[], versions=None)
+
+
+def test_a_slot_bound_generator_still_starts_its_held_out_groups():
+    """infra.dist.admit, the generator's per-turn starts, on a real engine that training groups alone would keep full
+    (slot-bound: the lag bound admits 36 groups of 4 into 16 slots): the asked evaluation starts within a few engine
+    steps and completes while training groups are still admitted beside it. Under the old rule (a training group
+    whenever any room is free) a held-out group starts only when a group's room happens to free in one engine
+    step."""
+    import data
+    import pipeline_rl
+    import scalerl
+    import torch
+    import trainer
+    from infra import dist
+    from infra.run import make_engine
+    tok = data.char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=")
+    cfg = scalerl.Config(slots=16, think_min=4, think_max=40, answer_budget=5, max_prompt=64)
+    engine = make_engine(cfg, trainer.tiny_model(cfg, len(tok)), tok, 0)
+    rollouts = pipeline_rl.Rollouts(engine, pipeline_rl.PromptPool(data.arith_problems(200), seed=0), tok, 64)
+    job = dist.Dist(rank=1, world=2, generators=[1], store=torch.distributed.HashStore())
+    held = dist.HeldOut(rollouts, [rollouts.template(p, -1 - i) for i, p in enumerate(data.arith_problems(5, seed=1))],
+                        4, cap=8)
+    turn = dict(mode="pipeline", k=8, batch_prompts=4, group_size=4, dropped=0, stop=0)
+    limit, next_group, steps, started, complete = (8 + 1) * 4, None, 0, None, []
+    while not complete and steps < 2000:
+        if steps == 10:
+            held.ask(0)  # the slots are full of training groups by now
+        next_group = dist.admit(job, rollouts, held, next_group, **turn)
+        if held.running and not started:  # (engine step, groups admitted) when the evaluation started
+            started = steps, job.store.add("admitted", 0)
+        complete += [v for v, _ in held.take(engine.step()) if v is not None]
+        steps += 1
+    # measured: asked at engine step 10, started at 16 (6 groups admitted), complete at 108 (22 admitted); the old rule
+    # started it at step 62, when 4 slots happened to free at once
+    assert complete == [0] and started[0] < 10 + 20 and started[1] < limit, (steps, started)
+    assert job.store.add("admitted", 0) > started[1]  # training admission went on beside the evaluation
