@@ -22,6 +22,7 @@ from infra import die, first_line
 from pipeline_rl import BatchSource, admission_limit
 
 POLL_S = 0.1  # seconds between a generator rank's visits to the job's TCPStore
+HEARTBEAT_S = 2.0  # seconds between a rank's heartbeats in the job's TCPStore, and between a wait's checks of them
 
 
 @dataclass
@@ -31,14 +32,19 @@ class Dist:
     world: int = 1
     trainers: list = field(default_factory=lambda: [0])  # global ranks that train; trainers[0] == 0
     generators: list = field(default_factory=list)        # global ranks that generate
-    timeout: float = 60.0                                  # seconds any wait on another rank may take
+    timeout: float = 60.0                                  # seconds a rank may be silent before a wait gives up
     groups: dict = field(default_factory=dict)             # "trainer", "weights", generator rank -> rollout group
     store: object = None                                   # the job's TCPStore
     clock: object = time                                   # time() and sleep(s): runs/rehearse.py passes a virtual one
+    heard: dict = field(default_factory=dict)              # rank -> (its heartbeats, when they last moved); "checked"
+    gates: int = 0                                         # the gates this trainer rank has passed
+
+    def who(self, rank):
+        return f"{'trainer' if rank in self.trainers else 'generator'} rank {rank}"
 
     @property
     def name(self):
-        return f"{'trainer' if self.rank in self.trainers else 'generator'} rank {self.rank}"
+        return self.who(self.rank)
 
 
 def roles(world, gen_ranks=0, gen_share=0.5):
@@ -65,7 +71,9 @@ def dist_init(gen_ranks=0, timeout=60.0, gen_share=0.5):
     dist.broadcast_object_list(box, src=0)
     gen_ranks, timeout = box
     trainers, generators = roles(world, gen_ranks, gen_share)
-    late = timedelta(seconds=timeout + 60)  # NCCL's watchdog, after ours
+    # NCCL's watchdog, after ours. Trainer ranks enter their collectives together (ranks 1.. pass a `gate` after any
+    # wait of rank 0 on the generators): these time-outs cover transfers and compute skew, never a wait
+    late = timedelta(seconds=timeout + 60)
     groups = dict(trainer=dist.new_group(trainers, timeout=late),
                   weights=dist.new_group([0] + generators, timeout=late))
     # pickled rollouts are CPU bytes: gloo even where weights go over NCCL; trainer rank 0's receiver waits as long as
@@ -73,7 +81,36 @@ def dist_init(gen_ranks=0, timeout=60.0, gen_share=0.5):
     for rank in generators:
         groups[rank] = dist.new_group([0, rank], timeout=timedelta(days=1), backend="gloo")
     store = dist.distributed_c10d._get_default_store()
-    return Dist(dist.get_rank(), world, trainers, generators, timeout, groups, store)
+    job = Dist(dist.get_rank(), world, trainers, generators, timeout, groups, store)
+    heartbeat(job)
+    return job
+
+
+def heartbeat(job):
+    """This rank shows it is alive: a thread adds to its count in the job's TCPStore every HEARTBEAT_S, until the
+    process ends (or hangs, or the store's host, trainer rank 0, is gone)."""
+    def beat():
+        with contextlib.suppress(Exception):  # noqa: BLE001 -- a lost store: the waits say why
+            while True:
+                job.store.add(f"alive/{job.rank}", 1)
+                time.sleep(HEARTBEAT_S)
+    threading.Thread(target=beat, name="heartbeat", daemon=True).start()
+
+
+def alive(job, what):
+    """Called as a wait goes on (it reads the store at most every HEARTBEAT_S): a wait gives up on silence, not on
+    duration. Once a rank of the job has not beaten for --dist_timeout, this one ends, naming it and `what` it waited
+    for; while all live, however long their work, the wait goes on (docs/faults.md)."""
+    now = job.clock.time()
+    if now - job.heard.get("checked", -HEARTBEAT_S) < HEARTBEAT_S:
+        return
+    job.heard["checked"] = now
+    for rank in (r for r in range(job.world) if r != job.rank):
+        beats = counter(job, f"alive/{rank}")
+        if job.heard.get(rank, (None,))[0] != beats:
+            job.heard[rank] = (beats, now)
+        elif now - job.heard[rank][1] > job.timeout:
+            gave_up(job, what, f": {job.who(rank)} has been silent for {now - job.heard[rank][1]:.0f} s")
 
 
 def local_group():
@@ -111,7 +148,20 @@ def waiting_for(job, what, bound=False):
 
 
 def gave_up(job, what, why=""):
-    die(f"{job.name} gave up waiting for {what} after {job.timeout:.0f} s{why}")
+    die(f"{job.name} gave up waiting for {what}" + (why or f" after {job.timeout:.0f} s"))
+
+
+def gate(job, what):
+    """Trainer ranks 1.. wait here for trainer rank 0, in the job's TCPStore as long as it lives, not in a collective
+    whose time-out was fixed when its group was made: rank 0 may first wait hours on the generators. Rank 0 passes."""
+    job.gates += 1
+    if len(job.trainers) == 1:
+        return
+    if job.rank == 0:
+        return counter(job, "gate", 1)
+    while counter(job, "gate") < job.gates:
+        alive(job, what)
+        job.clock.sleep(POLL_S)
 
 
 def counter(job, key, add=0):
@@ -122,9 +172,11 @@ def counter(job, key, add=0):
 
 def share(job, obj, everyone=False):
     """Trainer rank 0's `obj` (the kept groups) on every trainer rank (everyone: on every rank of the job)."""
-    box = [obj]
+    box, what = [obj], "rank 0's resume point" if everyone else "the next batch from trainer rank 0"
     if (job.world if everyone else len(job.trainers)) > 1:
-        with waiting_for(job, "rank 0's resume point" if everyone else "the next batch from trainer rank 0"):
+        if not everyone:
+            gate(job, what)
+        with waiting_for(job, what):
             dist.broadcast_object_list(box, src=0, group=None if everyone else job.groups["trainer"])
     return box[0]
 
@@ -201,10 +253,11 @@ class TrainerLink(BatchSource):
         return self._batch(groups, kept)
 
     def _next_received(self, missing):
-        try:
-            g = self.inbox.get(timeout=self.job.timeout)
-        except queue.Empty:
-            gave_up(self.job, f"rollouts from generator ranks {self.job.generators}")
+        while True:
+            with contextlib.suppress(queue.Empty):
+                g = self.inbox.get(timeout=HEARTBEAT_S)
+                break
+            alive(self.job, f"rollouts from generator ranks {self.job.generators}")
         if isinstance(g, str):
             die(f"{self.job.name} lost {g}")
         return g
@@ -240,25 +293,19 @@ class TrainerLink(BatchSource):
         with waiting_for(self.job, "the job's TCPStore (held-out request)"):
             self.job.store.set(f"eval/{version}", "")
 
-    def evals(self, until=0, patient=False):
+    def evals(self, until=0):
         """Trainer rank 0: [(row, results, (first, last) version of their tokens)] of the complete evaluations, in
-        order, and those of versions before `until` waited for: at most --dist_timeout (the other trainer ranks wait
-        in a collective; infra.plan holds that these have ended), or at the end (`patient`) as long as the generators
-        make tokens, as an evaluation may take hours on a few GPUs."""
+        order, and those of versions before `until` waited for, as long as every rank lives (the other trainer ranks
+        wait at a `gate`), as an evaluation may take hours on a few GPUs."""
         out = []
         for v in sorted(self.asked):
             keys = [f"eval/{v}/{rank}" for rank in self.job.generators]
             if not (v < until or self.job.store.check(keys)):
                 break
-            tokens, since, clock = None, self.job.clock.time(), self.job.clock
             while not self.job.store.check(keys):
-                if patient and tokens != (tokens := counter(self.job, "gen_tokens")):
-                    since = clock.time()
-                elif clock.time() - since > self.job.timeout:
-                    gave_up(self.job, f"the held-out pass rate of policy version {v} from generator ranks "
-                            f"{self.job.generators}", " (no token generated meanwhile)" if patient
-                            else " (an evaluation longer than --eval_every steps: raise --eval_share)")
-                clock.sleep(POLL_S)
+                alive(self.job, f"the held-out pass rate of policy version {v} from generator ranks "
+                      f"{self.job.generators}")
+                self.job.clock.sleep(POLL_S)
             parts = [json.loads(self.job.store.get(key)) for key in keys]
             versions = [x for p in parts for x in p["versions"] or ()] or [v]
             out.append((self.asked.pop(v), [r for p in parts for r in p["results"]], (min(versions), max(versions))))
@@ -383,7 +430,7 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
     # [(future, groups, None) or (future, groups, evaluated version)] in finishing order
     scorer, scoring = scorer or ThreadPoolExecutor(1, thread_name_prefix="score"), []
     # a resumed run starts at the checkpoint's version; next_group: taken from the counter, not started yet
-    received, saved, next_group, idle_since, clock = engine.version, None, None, None, job.clock
+    received, saved, next_group, clock = engine.version, None, None, job.clock
     # the TCPStore is read, and this rank's counts added to it, every POLL_S, not every engine step (docs/torchrun.md)
     polled, stop, dropped, counts = float("-inf"), 0, 0, dict(gen_us=0, gen_tokens=0)
     while True:
@@ -430,14 +477,11 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
                            group_size=group_size, dropped=dropped, stop=stop)
         finished, t, n = [], clock.time(), engine.stats["tokens"]
         if engine.busy:
-            finished, idle_since = engine.step(), None
+            finished = engine.step()
             counts["gen_us"] += int((clock.time() - t) * 1e6)
             counts["gen_tokens"] += engine.stats["tokens"] - n
-        else:
-            idle_since = idle_since or clock.time()
-            if clock.time() - idle_since > job.timeout and not stop:
-                gave_up(job, f"policy version {received + 1} from trainer rank 0",
-                        " (the lag bound admits no new group before it)")
+        else:  # at the lag bound, or training is over
+            alive(job, "trainer rank 0's stop" if stop else f"policy version {received + 1} from trainer rank 0")
             clock.sleep(0.002)
         scoring += [(scorer.submit(rollouts.score if v is None else held_out.score, groups), groups, v)
                     for v, groups in held_out.take(finished)]

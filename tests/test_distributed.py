@@ -9,7 +9,9 @@
    exports the model from the shards.
 4. Two `torchrun --nnodes=2` launches (c10d rendezvous on 127.0.0.1) train together; then the generator's process is
    killed and the trainer's launch ends within a bounded time with a message naming rank 1.
-5. A generator that hangs (SIGSTOP) makes trainer rank 0 exit after --dist_timeout with a message naming it.
+5. A generator that hangs (SIGSTOP) makes trainer rank 0 exit after --dist_timeout with a message naming it. Three
+   launches (2 FSDP2 trainers, 1 generator): an evaluation longer than --dist_timeout is waited for at a checkpoint,
+   and a killed generator still ends the job within --dist_timeout, its silence named.
 
 All runs share one base directory (the warm start is computed once). Run: python -m pytest tests/test_distributed.py
 (a minute or two on 2 CPU cores; `-m "not slow"` keeps only the in-process check).
@@ -357,6 +359,39 @@ def test_two_nodes_train_together_then_a_killed_rank_ends_the_job(runs):
     assert elapsed < 60, elapsed
     line = [x for x in trainer_log.splitlines() if x.startswith("error: trainer rank 0")]
     assert line and "generator rank" in line[0] and "1" in line[0], trainer_log[-3000:]
+
+
+@pytest.mark.slow
+def test_a_long_evaluation_is_waited_for_and_a_killed_rank_still_ends_the_job(runs):
+    """Three launches of one rank each (as three nodes: torchrun passes no death to another launch), two FSDP2 trainer
+    ranks and a generator. At the step-2 checkpoint trainer rank 0 waits for an evaluation longer than
+    --dist_timeout, trainer rank 1 at the gate before the next collective: both wait on while every rank lives
+    (a flat time-out ended the job). The generator killed, its silence ends the job within --dist_timeout."""
+    timeout, out, port = 8, runs / "silence", free_port()
+    procs = [launch(torchrun("--nnodes=3", f"--node_rank={i}", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                             f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=scalerl-silence", *SMOKE,
+                             f"--out_dir={out}", "--max_steps=1000", "--eval_every=2", "--ckpt_every=2",
+                             "--eval_prompts=1000", "--eval_samples=8", "--gen_ranks=1", f"--dist_timeout={timeout}"),
+                    runs / f"silence{i}.log") for i in range(3)]
+    try:
+        wait_for_steps(out / "metrics.jsonl", 2, procs)  # step 2's checkpoint waits for the step-0 evaluation
+        time.sleep(2 * timeout)
+        rows = read_jsonl(out / "metrics.jsonl", torn_ok=True)
+        assert all(p.poll() is None for p in procs) and not any("pass_rate" in r for r in rows), rows[-1]
+        assert [r["step"] for r in rows] == [1, 2]  # still waiting, alive
+        ranks = worker_pids({p.pid for p in procs})
+        os.kill(ranks[2][0], signal.SIGKILL)
+        t = time.time()
+        for p in procs:
+            p.wait(timeout=120)
+        elapsed = time.time() - t
+    finally:
+        for p in procs:
+            p.kill()
+    log = (runs / f"silence{[p.pid for p in procs].index(ranks[0][1])}.log").read_text()
+    assert elapsed < timeout + 30, elapsed  # the silence, a heartbeat's check, and room for a busy machine
+    line = [x for x in log.splitlines() if x.startswith("error: trainer rank 0 gave up waiting for the held-out")]
+    assert line and ": generator rank 2 has been silent for " in line[0], log[-3000:]
 
 
 @pytest.mark.slow

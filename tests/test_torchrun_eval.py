@@ -3,11 +3,14 @@
 
 A tiny `torchrun --nproc_per_node=2` run (1 generator, 1 trainer) whose step-0 evaluation takes longer than its
 --dist_timeout: it finishes, every evaluation row is logged, and training steps went on while the evaluation ran (the
-trainer, waiting for rollouts, would give up after --dist_timeout were they held up). Run: python -m pytest
-tests/test_torchrun_eval.py (a minute or two on 2 CPU cores).
+trainer, waiting for rollouts, would give up after --dist_timeout were they held up). A checkpoint's wait on an
+evaluation asked --eval_every steps before it outlasts --dist_timeout and the run goes on (waits end on a silent
+rank, not on duration). A slot-bound generator starts its held-out groups within a few engine steps.
+Run: python -m pytest tests/test_torchrun_eval.py (a few minutes on 2 CPU cores).
 """
 import os
 import subprocess
+import time
 
 import pytest
 
@@ -34,6 +37,27 @@ def test_an_evaluation_longer_than_the_time_out_runs_beside_the_rollouts(tmp_pat
     # weights landed while it ran: its tokens came from the asked version and later ones
     lo, hi = evals[0]["eval_versions"]
     assert lo == 0 and hi > 0
+
+
+@pytest.mark.slow
+def test_a_checkpoint_waits_for_an_evaluation_longer_than_the_time_out(tmp_path):
+    """The wait before a checkpoint on an evaluation asked --eval_every steps before it gives up on silence, not on
+    duration: its evaluation outlasts --dist_timeout while the generator is alive and busy, and the run finishes with
+    every row (a flat time-out ended it at the first such wait)."""
+    timeout, out = 8, tmp_path / "run"
+    p = subprocess.Popen(torchrun("--standalone", "--nproc_per_node=2", "scalerl.py", "--config", "smoke",
+                                  "--threads=1", f"--out_dir={out}", "--eval_prompts=300", "--eval_samples=8",
+                                  f"--dist_timeout={timeout}"),  # 4 steps, evaluations and checkpoints every 2
+                         cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = {}  # the progress lines' first words (and whether they log a row) -> when they came
+    for line in p.stdout:
+        seen.setdefault((line[:10], "pass rate" in line), time.time())
+    assert p.wait(timeout=600) == 0 and ("step    0 ", True) in seen, seen
+    # the checkpoint at step 2 waited for the step-0 row longer than the time-out, before step 3
+    assert seen[("step    0 ", True)] - seen[("step    2/", False)] > timeout, seen
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows if "pass_rate" in r] == [0, 2, 4]
+    assert [(r["step"], "pass_rate" in r) for r in rows][:4] == [(1, False), (2, False), (0, True), (3, False)]
 
 
 def test_held_out_groups_keep_their_share_of_the_slots_and_come_back_whole():
