@@ -58,7 +58,7 @@ def start(cfg):
     try:
         if rank0 and world > 1 and torch.cuda.is_available():
             # as --dry_run plans it: --gen_share's split, or fewer generators where its trainer ranks would not fit
-            # these GPUs; --dist_timeout=0 from the estimates; time-outs shorter than the work they wait for refused
+            # these GPUs; a job whose evaluations would outlast --eval_every steps refused
             from infra.plan import settle
             gb = torch.cuda.get_device_properties(0).total_memory / 1e9
             g, cfg.dist_timeout, problem = settle(cfg, world, gb)
@@ -68,7 +68,7 @@ def start(cfg):
                 cfg.gen_ranks = g
                 print(f"generator ranks: {g} of {world}, not --gen_share's {cfg.gen_share}: the most whose trainer "
                       f"ranks fit {gb:.0f} GB GPUs (see --dry_run)")
-        cfg.dist_timeout = cfg.dist_timeout or 1800.0  # 0 on the CPU: no estimate
+        cfg.dist_timeout = cfg.dist_timeout or 1800.0  # 0: 30 min of a rank's silence
         job = dist.dist_init(cfg.gen_ranks, cfg.dist_timeout, cfg.gen_share)
     except ValueError as e:  # a split that leaves no trainer rank
         fail(str(e))

@@ -334,22 +334,33 @@ def launch(args, log):
     return subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True)
 
 
+def nodes(n, log, *args):
+    """`n` torchrun launches of one rank each on this machine, as n nodes (torchrun passes no death to another
+    launch), their output in log<i>.log."""
+    port = free_port()
+    return [launch(torchrun(f"--nnodes={n}", f"--node_rank={i}", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                            f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=scalerl-{log.name}", *SMOKE, *args),
+                   f"{log}{i}.log") for i in range(n)]
+
+
+def kill(pid, procs):
+    """SIGKILL `pid`; the seconds until every launch has ended."""
+    os.kill(pid, signal.SIGKILL)
+    t = time.time()
+    for p in procs:
+        p.wait(timeout=120)
+    return time.time() - t
+
+
 @pytest.mark.slow
 def test_two_nodes_train_together_then_a_killed_rank_ends_the_job(runs):
-    out, port = runs / "nodes", free_port()
-    procs = [launch(torchrun("--nnodes=2", f"--node_rank={i}", "--nproc_per_node=1", "--rdzv_backend=c10d",
-                             f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=scalerl-test", *SMOKE,
-                             f"--out_dir={out}", "--max_steps=1000", "--eval_every=1000", "--dist_timeout=20"),
-                    runs / f"node{i}.log") for i in (0, 1)]
+    out = runs / "nodes"
+    procs = nodes(2, runs / "node", f"--out_dir={out}", "--max_steps=1000", "--eval_every=1000", "--dist_timeout=20")
     try:
         wait_for_steps(out / "metrics.jsonl", 3, procs)  # trained together across the two launches
         ranks = worker_pids({p.pid for p in procs})
         assert set(ranks) == {0, 1} and ranks[0][1] != ranks[1][1]  # one rank per launch
-        os.kill(ranks[1][0], signal.SIGKILL)
-        t = time.time()
-        for p in procs:
-            p.wait(timeout=120)
-        elapsed = time.time() - t
+        elapsed = kill(ranks[1][0], procs)
     finally:
         for p in procs:
             p.kill()
@@ -367,12 +378,9 @@ def test_a_long_evaluation_is_waited_for_and_a_killed_rank_still_ends_the_job(ru
     ranks and a generator. At the step-2 checkpoint trainer rank 0 waits for an evaluation longer than
     --dist_timeout, trainer rank 1 at the gate before the next collective: both wait on while every rank lives
     (a flat time-out ended the job). The generator killed, its silence ends the job within --dist_timeout."""
-    timeout, out, port = 8, runs / "silence", free_port()
-    procs = [launch(torchrun("--nnodes=3", f"--node_rank={i}", "--nproc_per_node=1", "--rdzv_backend=c10d",
-                             f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=scalerl-silence", *SMOKE,
-                             f"--out_dir={out}", "--max_steps=1000", "--eval_every=2", "--ckpt_every=2",
-                             "--eval_prompts=1000", "--eval_samples=8", "--gen_ranks=1", f"--dist_timeout={timeout}"),
-                    runs / f"silence{i}.log") for i in range(3)]
+    timeout, out = 8, runs / "silence"
+    procs = nodes(3, out, f"--out_dir={out}", "--max_steps=1000", "--eval_every=2", "--ckpt_every=2",
+                  "--eval_prompts=1000", "--eval_samples=8", "--gen_ranks=1", f"--dist_timeout={timeout}")
     try:
         wait_for_steps(out / "metrics.jsonl", 2, procs)  # step 2's checkpoint waits for the step-0 evaluation
         time.sleep(2 * timeout)
@@ -380,11 +388,7 @@ def test_a_long_evaluation_is_waited_for_and_a_killed_rank_still_ends_the_job(ru
         assert all(p.poll() is None for p in procs) and not any("pass_rate" in r for r in rows), rows[-1]
         assert [r["step"] for r in rows] == [1, 2]  # still waiting, alive
         ranks = worker_pids({p.pid for p in procs})
-        os.kill(ranks[2][0], signal.SIGKILL)
-        t = time.time()
-        for p in procs:
-            p.wait(timeout=120)
-        elapsed = time.time() - t
+        elapsed = kill(ranks[2][0], procs)
     finally:
         for p in procs:
             p.kill()
