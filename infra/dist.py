@@ -227,8 +227,9 @@ class TrainerLink(BatchSource):
         self.inbox, self.pending, self.bufs = queue.Queue(), None, {}
         # group id -> kept by the zero-variance filter; generator rank -> its info(); version -> its eval's log row
         self.kept, self.info, self.asked = {}, {}, {}
+        # a receiver per generator on its process group (a virtual job, runs/rehearse.py, has none: it fills the inbox)
         self.threads = [threading.Thread(target=self._receive, args=(rank,), daemon=True)
-                        for rank in (job.generators if job.rank == 0 else [])]
+                        for rank in (job.generators if job.rank == 0 and job.groups else [])]
         for t in self.threads:
             t.start()
 
