@@ -112,7 +112,7 @@ class Config:
     gen_share: float = 0.5             # generators' share of the world when gen_ranks is 0 (paper: 64 of 80 GPUs)
     dry_run: bool = False              # print the resolved plan (roles, memory per GPU, steps) and exit; loads nothing
     plan_gpus: int = 0                 # --dry_run: plan for this many GPUs (0: the torchrun world, else the paper's 80)
-    dist_timeout: float = 60.0         # seconds a rank waits on another, then exits with a message (0: the plan's x 2)
+    dist_timeout: float = 60.0         # seconds a rank may be silent (no heartbeat) before a wait on it ends (0: 1800)
     sync_bucket_mb: int = 1024         # weight updates reach the generator ranks in buckets of at most this many MB
     gpu_memory_utilization: float = 0.9  # a vLLM generator rank's share of its GPU (KV cache: what weights leave)
 

@@ -23,6 +23,7 @@ from pipeline_rl import BatchSource, admission_limit
 
 POLL_S = 0.1  # seconds between a generator rank's visits to the job's TCPStore
 RESUBMITS = ("reprefill_tokens", "resubmits", "resubmit_wait_us")  # the vLLM engine's counts of its resubmissions
+HEARTBEAT_S = 2.0  # seconds between a rank's heartbeats in the job's TCPStore, and between a wait's checks of them
 
 
 @dataclass
@@ -32,13 +33,19 @@ class Dist:
     world: int = 1
     trainers: list = field(default_factory=lambda: [0])  # global ranks that train; trainers[0] == 0
     generators: list = field(default_factory=list)        # global ranks that generate
-    timeout: float = 60.0                                  # seconds any wait on another rank may take
+    timeout: float = 60.0                                  # seconds a rank may be silent before a wait gives up
     groups: dict = field(default_factory=dict)             # "trainer", "weights", generator rank -> rollout group
     store: object = None                                   # the job's TCPStore
+    clock: object = time                                   # time() and sleep(s): runs/rehearse.py passes a virtual one
+    heard: dict = field(default_factory=dict)              # rank -> (its heartbeats, when they last moved); "checked"
+    gates: int = 0                                         # the gates this trainer rank has passed
+
+    def who(self, rank):
+        return f"{'trainer' if rank in self.trainers else 'generator'} rank {rank}"
 
     @property
     def name(self):
-        return f"{'trainer' if self.rank in self.trainers else 'generator'} rank {self.rank}"
+        return self.who(self.rank)
 
 
 def roles(world, gen_ranks=0, gen_share=0.5):
@@ -65,7 +72,9 @@ def dist_init(gen_ranks=0, timeout=60.0, gen_share=0.5):
     dist.broadcast_object_list(box, src=0)
     gen_ranks, timeout = box
     trainers, generators = roles(world, gen_ranks, gen_share)
-    late = timedelta(seconds=timeout + 60)  # NCCL's watchdog, after ours
+    # NCCL's watchdog, after ours. Trainer ranks enter their collectives together (ranks 1.. pass a `gate` after any
+    # wait of rank 0 on the generators): these time-outs cover transfers and compute skew, never a wait
+    late = timedelta(seconds=timeout + 60)
     groups = dict(trainer=dist.new_group(trainers, timeout=late),
                   weights=dist.new_group([0] + generators, timeout=late))
     # pickled rollouts are CPU bytes: gloo even where weights go over NCCL; trainer rank 0's receiver waits as long as
@@ -73,7 +82,36 @@ def dist_init(gen_ranks=0, timeout=60.0, gen_share=0.5):
     for rank in generators:
         groups[rank] = dist.new_group([0, rank], timeout=timedelta(days=1), backend="gloo")
     store = dist.distributed_c10d._get_default_store()
-    return Dist(dist.get_rank(), world, trainers, generators, timeout, groups, store)
+    job = Dist(dist.get_rank(), world, trainers, generators, timeout, groups, store)
+    heartbeat(job)
+    return job
+
+
+def heartbeat(job):
+    """This rank shows it is alive: a thread adds to its count in the job's TCPStore every HEARTBEAT_S, until the
+    process ends (or hangs, or the store's host, trainer rank 0, is gone)."""
+    def beat():
+        with contextlib.suppress(Exception):  # noqa: BLE001 -- a lost store: the waits say why
+            while True:
+                job.store.add(f"alive/{job.rank}", 1)
+                time.sleep(HEARTBEAT_S)
+    threading.Thread(target=beat, name="heartbeat", daemon=True).start()
+
+
+def alive(job, what, lost=""):
+    """Called as a wait goes on (it reads the store at most every HEARTBEAT_S): a wait gives up on silence, not on
+    duration. Once a rank of the job has not beaten for --dist_timeout, this one ends, naming it and `what` it waited
+    for; while all live, however long their work, the wait goes on (docs/faults.md)."""
+    now = job.clock.time()
+    if now - job.heard.get("checked", -HEARTBEAT_S) < HEARTBEAT_S:
+        return
+    job.heard["checked"] = now
+    for rank in (r for r in range(job.world) if r != job.rank):
+        beats = counter(job, f"alive/{rank}")
+        if job.heard.get(rank, (None,))[0] != beats:
+            job.heard[rank] = (beats, now)
+        elif now - job.heard[rank][1] > job.timeout:
+            gave_up(job, what, f": {job.who(rank)} has been silent for {now - job.heard[rank][1]:.0f} s{lost}")
 
 
 def local_group():
@@ -111,7 +149,20 @@ def waiting_for(job, what, bound=False):
 
 
 def gave_up(job, what, why=""):
-    die(f"{job.name} gave up waiting for {what} after {job.timeout:.0f} s{why}")
+    die(f"{job.name} gave up waiting for {what}" + (why or f" after {job.timeout:.0f} s"))
+
+
+def gate(job, what):
+    """Trainer ranks 1.. wait here for trainer rank 0, in the job's TCPStore as long as it lives, not in a collective
+    whose time-out was fixed when its group was made: rank 0 may first wait hours on the generators. Rank 0 passes."""
+    job.gates += 1
+    if len(job.trainers) == 1:
+        return
+    if job.rank == 0:
+        return counter(job, "gate", 1)
+    while counter(job, "gate") < job.gates:
+        alive(job, what)
+        job.clock.sleep(POLL_S)
 
 
 def counter(job, key, add=0):
@@ -122,9 +173,11 @@ def counter(job, key, add=0):
 
 def share(job, obj, everyone=False):
     """Trainer rank 0's `obj` (the kept groups) on every trainer rank (everyone: on every rank of the job)."""
-    box = [obj]
+    box, what = [obj], "rank 0's resume point" if everyone else "the next batch from trainer rank 0"
     if (job.world if everyone else len(job.trainers)) > 1:
-        with waiting_for(job, "rank 0's resume point" if everyone else "the next batch from trainer rank 0"):
+        if not everyone:
+            gate(job, what)
+        with waiting_for(job, what):
             dist.broadcast_object_list(box, src=0, group=None if everyone else job.groups["trainer"])
     return box[0]
 
@@ -201,8 +254,9 @@ class TrainerLink(BatchSource):
         self.inbox, self.pending, self.bufs = queue.Queue(), None, {}
         # group id -> kept by the zero-variance filter; generator rank -> its info(); version -> its eval's log row
         self.kept, self.info, self.asked = {}, {}, {}
+        # a receiver per generator on its process group (a virtual job, runs/rehearse.py, has none: it fills the inbox)
         self.threads = [threading.Thread(target=self._receive, args=(rank,), daemon=True)
-                        for rank in (job.generators if job.rank == 0 else [])]
+                        for rank in (job.generators if job.rank == 0 and job.groups else [])]
         for t in self.threads:
             t.start()
 
@@ -227,10 +281,11 @@ class TrainerLink(BatchSource):
         return self._batch(groups, [unpack(g) for g in kept])
 
     def _next_received(self, missing):
-        try:
-            g = self.inbox.get(timeout=self.job.timeout)
-        except queue.Empty:
-            gave_up(self.job, f"rollouts from generator ranks {self.job.generators}")
+        while True:
+            with contextlib.suppress(queue.Empty):
+                g = self.inbox.get(timeout=HEARTBEAT_S)
+                break
+            alive(self.job, f"rollouts from generator ranks {self.job.generators}")
         if isinstance(g, str):
             die(f"{self.job.name} lost {g}")
         return unpack(g)
@@ -266,26 +321,19 @@ class TrainerLink(BatchSource):
         with waiting_for(self.job, "the job's TCPStore (held-out request)"):
             self.job.store.set(f"eval/{version}", "")
 
-    def evals(self, until=0, patient=False):
+    def evals(self, until=0):
         """Trainer rank 0: [(row, results, (first, last) version of their tokens)] of the complete evaluations, in
-        order, and those of versions before `until` waited for: at most --dist_timeout (the other trainer ranks wait
-        in a collective; infra.plan holds that these have ended), or at the end (`patient`) as long as the generators
-        make tokens, as an evaluation may take hours on a few GPUs."""
+        order, and those of versions before `until` waited for, as long as every rank lives (the other trainer ranks
+        wait at a `gate`), as an evaluation may take hours on a few GPUs."""
         out = []
         for v in sorted(self.asked):
             keys = [f"eval/{v}/{rank}" for rank in self.job.generators]
             if not (v < until or self.job.store.check(keys)):
                 break
-            tokens, since = None, time.time()
             while not self.job.store.check(keys):
-                if patient and tokens != (tokens := counter(self.job, "gen_tokens")):
-                    since = time.time()
-                elif time.time() - since > self.job.timeout:
-                    why = " (no token generated meanwhile)" if patient else \
-                        " (an evaluation longer than --eval_every steps: raise --eval_share)"
-                    gave_up(self.job, f"the held-out pass rate of policy version {v} from generator ranks "
-                            f"{self.job.generators}", why + self.lost())
-                time.sleep(POLL_S)
+                alive(self.job, f"the held-out pass rate of policy version {v} from generator ranks "
+                      f"{self.job.generators}", self.lost())
+                self.job.clock.sleep(POLL_S)
             parts = [json.loads(self.job.store.get(key)) for key in keys]
             versions = [x for p in parts for x in p["versions"] or ()] or [v]
             out.append((self.asked.pop(v), [r for p in parts for r in p["results"]], (min(versions), max(versions))))
@@ -354,8 +402,13 @@ class HeldOut:
         self.done[v] = []
         self.asked.add(v)
 
+    @property
+    def reserve(self):
+        """Room training admission leaves free: a held-out group's, while one waits to start within its share."""
+        return self.n if self.todo and (len(self.running) + 1) * self.n <= self.cap else 0
+
     def start(self, engine, everything=False):
-        while self.todo and engine.room >= self.n and (everything or (len(self.running) + 1) * self.n <= self.cap):
+        while self.todo and engine.room >= self.n and (everything or self.reserve):
             v, t = self.todo.pop(0)
             self.running[t.group] = v
             engine.add(t, self.n)
@@ -378,22 +431,45 @@ class HeldOut:
                     versions=(min(versions), max(versions)) if versions else None)
 
 
+def admit(job, rollouts, held_out, next_group, *, mode, k, batch_prompts, group_size, dropped, stop):
+    """A generator's starts for one turn: held-out groups within their share (every slot once training is over,
+    `stop` 1), then training groups under the lag bound while more room than the next held-out group's is free (a
+    slot-bound engine, whose room a training group takes as soon as it is above 0, never frees a held-out group's
+    otherwise: the evaluation would wait for the end of training). Returns the group id taken from the job's counter
+    but not started (it waits for newer weights), or None."""
+    engine = rollouts.engine
+    held_out.start(engine, everything=stop > 0)
+    while engine.room > held_out.reserve and not stop:
+        if next_group is None:
+            next_group = counter(job, "admitted", 1) - 1
+        if next_group >= admission_limit(mode, engine.version, k, batch_prompts, dropped):
+            break  # past the lag bound: it starts once newer weights arrive
+        engine.add(rollouts.next_template(next_group), group_size)
+        next_group = None
+    return next_group
+
+
 def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_path, save_every, bucket_bytes,
-                  held_out):
+                  held_out, send=send_groups, receive=receive_weights, scorer=None):
     """A generator rank until trainer rank 0 says stop. Each turn: take the published weights, note the versions asked
-    for evaluation (`held_out`), send the scored groups and held-out results, start held-out groups within their share
-    of the slots and training groups under the lag bound, one engine step. Stop 1: training is over, evaluations take
-    every slot; 2: stop."""
+    for evaluation (`held_out`), send the scored groups and held-out results, start groups (`admit`), one engine step.
+    Stop 1: training is over, evaluations take every slot; 2: stop.
+    What it takes of the world, real by default, is what runs/rehearse.py replaces to run this same loop in virtual
+    time: `job.clock` (time(), sleep(s)); `job.store` (the TCPStore's add, check, set, get, delete_key; every rank's
+    heartbeat count add(f"alive/{rank}", 0) moves while it lives); `send(job, msg)` and `receive(job, engine,
+    version, bucket_bytes, take, bufs)`; `scorer` (submit(fn, arg) -> a future: done(), result()); `rollouts`
+    (engine, next_template(i), score, keep, info, state_dict) and its engine (add(template, n), step() -> finished
+    groups, room, busy, version, stats["tokens"], and what `receive` loads: load_weights)."""
     engine, bufs = rollouts.engine, {}  # bufs: the reused receive buffer (vLLM)
     # [(future, groups, None) or (future, groups, evaluated version)] in finishing order
-    scorer, scoring = ThreadPoolExecutor(1, thread_name_prefix="score"), []
+    scorer, scoring = scorer or ThreadPoolExecutor(1, thread_name_prefix="score"), []
     # a resumed run starts at the checkpoint's version; next_group: taken from the counter, not started yet
-    received, saved, next_group, idle_since = engine.version, None, None, None
+    received, saved, next_group, clock = engine.version, None, None, job.clock
     # the TCPStore is read, and this rank's counts added to it, every POLL_S, not every engine step (docs/torchrun.md)
-    polled, stop, dropped, counts, sent = 0.0, 0, 0, dict(gen_us=0, gen_tokens=0), {}
+    polled, stop, dropped, counts, sent = float("-inf"), 0, 0, dict(gen_us=0, gen_tokens=0), {}
     while True:
-        if time.time() - polled >= POLL_S:
-            polled = time.time()
+        if clock.time() - polled >= POLL_S:
+            polled = clock.time()
             # and what the vLLM engine's resubmission counts grew by since the last poll, where they did
             grown = {k: engine.stats[k] - sent.get(k, 0) for k in RESUBMITS if engine.stats.get(k, 0) > sent.get(k, 0)}
             for key, n in {**counts, **grown}.items():
@@ -405,7 +481,7 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
             # once it published the version)
             for v in range(received, counter(job, "version") + 1):
                 if v > received:
-                    receive_weights(job, engine, v, bucket_bytes, take=mode == "pipeline" or v % k == 0, bufs=bufs)
+                    receive(job, engine, v, bucket_bytes, take=mode == "pipeline" or v % k == 0, bufs=bufs)
                 if v not in held_out.asked and job.store.check([f"eval/{v}"]):
                     held_out.ask(v)
             received = v
@@ -430,31 +506,22 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
             future.result()
             for s in (s for g in groups for s in g):
                 s.meta = None  # the trainer needs tokens, logprobs, versions and rewards, not the problem
-            send_groups(job, ([(rollouts.keep(g), g) for g in groups], rollouts.info()))
+            send(job, ([(rollouts.keep(g), g) for g in groups], rollouts.info()))
         if stop > 1:
             break
-        held_out.start(engine, everything=stop > 0)
-        while engine.room > 0 and not stop:
-            if next_group is None:
-                next_group = counter(job, "admitted", 1) - 1
-            if next_group >= admission_limit(mode, engine.version, k, batch_prompts, dropped):
-                break  # past the lag bound: it starts once newer weights arrive
-            engine.add(rollouts.next_template(next_group), group_size)
-            next_group = None
-        finished, t, n = [], time.time(), engine.stats["tokens"]
+        next_group = admit(job, rollouts, held_out, next_group, mode=mode, k=k, batch_prompts=batch_prompts,
+                           group_size=group_size, dropped=dropped, stop=stop)
+        finished, t, n = [], clock.time(), engine.stats["tokens"]
         if engine.busy:
-            finished, idle_since = engine.step(), None
-            counts["gen_us"] += int((time.time() - t) * 1e6)
+            finished = engine.step()
+            counts["gen_us"] += int((clock.time() - t) * 1e6)
             counts["gen_tokens"] += engine.stats["tokens"] - n
-        else:
-            idle_since = idle_since or time.time()
-            if time.time() - idle_since > job.timeout and not stop:
-                gave_up(job, f"policy version {received + 1} from trainer rank 0",
-                        " (the lag bound admits no new group before it)")
-            time.sleep(0.002)
+        else:  # at the lag bound, or training is over
+            alive(job, "trainer rank 0's stop" if stop else f"policy version {received + 1} from trainer rank 0")
+            clock.sleep(0.002)
         scoring += [(scorer.submit(rollouts.score if v is None else held_out.score, groups), groups, v)
                     for v, groups in held_out.take(finished)]
-    send_groups(job, None)  # trainer rank 0's receiver for this rank stops
+    send(job, None)  # trainer rank 0's receiver for this rank stops
 
 
 def shard(policy, layers, group, body_dtype=torch.float32):

@@ -19,8 +19,8 @@ CHUNK = inspect.signature(losses.token_logprobs).parameters["chunk"].default  # 
 # The time estimates (choice, until a GPU has measured the path): an H100 SXM's dense bf16 and fp32 peaks (no TF32: the
 # FP32 head is true fp32 on both sides, Sec. 3.2; vLLM's VLLM_FLOAT32_MATMUL_PRECISION defaults to "highest") and HBM
 # bandwidth, at a share typical of FSDP training (MFU) and of memory-bound decoding; a completion's mean length half
-# its longest (the paper kept truncation under 5%); a wait must last MARGIN times the work it waits for.
-BF16_FLOPS, FP32_FLOPS, HBM_BYTES_S, MFU, BW_UTIL, MEAN_LEN, MARGIN = 989e12, 67e12, 3.35e12, 0.4, 0.5, 0.5, 2
+# its longest (the paper kept truncation under 5%).
+BF16_FLOPS, FP32_FLOPS, HBM_BYTES_S, MFU, BW_UTIL, MEAN_LEN = 989e12, 67e12, 3.35e12, 0.4, 0.5, 0.5
 SYNC, DEFERRED = "weight-sync buffers", "unsharded fp32 grads (deferred)"  # the last row before the total
 # What only a GPU shows, until one measures it (docs/gpus.md): a CUDA context; an NCCL communicator's buffers with NVLS
 # on (github.com/NVIDIA/nccl/issues/864); the allocator's fragmentation, a share of a trainer's rows (a choice, its
@@ -234,24 +234,15 @@ def timing(cfg, shape, world, T, G):
 
 def settle(cfg, world, gpu_gb=GPU_GB):
     """Trainer rank 0 at a GPU job's start (infra.run.start), as --dry_run plans it: generator ranks (0: --gen_share's
-    split), --dist_timeout (0: MARGIN x the longest work a wait covers, at least 30 min), and why those or --eval_every
+    split), --dist_timeout (0: 30 min of a rank's silence; a wait on a live rank has no time-out), and why --eval_every
     cannot hold this job, or None. A split that leaves no trainer raises ValueError."""
     shape, g = model_shape(cfg), cfg.gen_ranks or fitting_gen_ranks(cfg, world, gpu_gb) or 0
     trainers, gens = dist.roles(world, g, cfg.gen_share)
+    timeout = cfg.dist_timeout or 1800.0
     if shape is None:
-        return g, cfg.dist_timeout or 1800.0, None
-    T, t = len(trainers), timing(cfg, shape, world, len(trainers), len(gens))
-    what, longest = max({"a trainer step (a generator idles at the lag bound meanwhile)": t["step"],
-                         "one step's generation (trainer rank 0 gathers the batch meanwhile)": t["generation"],
-                         "the first group (as long as its longest completion)": t["first_group"],
-                         "the first batch (trainer ranks 1.. wait for it)": t["first_batch"] * (T > 1)}.items(),
-                        key=lambda x: x[1])
-    timeout = cfg.dist_timeout or max(1800.0, round(MARGIN * longest, -2) + 100)
+        return g, timeout, None
+    t = timing(cfg, shape, world, len(trainers), len(gens))
     cycle = cfg.eval_every * max(t["step"], t["generation"])
-    if timeout < MARGIN * longest:
-        return g, timeout, (f"--dist_timeout={timeout:.0f} s is shorter than {MARGIN} x {what}: estimated "
-                            f"{longest:,.0f} s on {len(trainers)} trainer and {len(gens)} generator GPUs; give it at "
-                            f"least {MARGIN * longest:,.0f}")
     if t["evaluation"] > cycle:
         return g, timeout, (f"a held-out evaluation (estimated {t['evaluation']:,.0f} s with --eval_share="
                             f"{cfg.eval_share} of {len(gens)} generators' slots) outlasts --eval_every={cfg.eval_every}"
@@ -355,13 +346,25 @@ def plan(cfg):
                 f"{cfg.eval_share} of the slots, interleaved with rollouts; every {cfg.eval_every} steps = "
                 f"{cfg.eval_every * max(t['step'], t['generation']):,.0f} s)",
                 f"    first batch {t['first_batch']:,.0f} s (a step's generation from cold, then its longest "
-                f"completion)\n    against trainer ranks 1..'s wait in share(), {cfg.dist_timeout + 60:,.0f} s",
-                f"  time-outs: --dist_timeout={cfg.dist_timeout:,.0f} s " + (
-                    f"refused at start: {problem}" if problem else f"covers {MARGIN} x the longest work a wait covers "
-                    f"({max(t['step'], t['generation'], t['first_group'], t['first_batch'] * (T > 1)):,.0f} s)"),
+                "completion), which trainer ranks 1.. wait for at a gate in the store",
+                f"  time-outs: a wait ends once a rank has been silent (no heartbeat) for --dist_timeout="
+                f"{cfg.dist_timeout:,.0f} s, never on a live one" + (f"; refused at start: {problem}" if problem
+                                                                     else ""),
                 f"  preemption: a checkpoint is {12 * P / 1e9:.0f} GB (fp32 weights and AdamW's m, v), "
                 f"{12 * P / T / 1e9:.1f} GB per trainer rank; give torchrun\n    --shutdown-timeout one step and "
                 "that write (its default: 30 s, then SIGKILL), and\n    "
                 "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 to forward SIGUSR1 (by default it kills "
                 "torchrun itself)"]
+    if world > 1:
+        out.append(regime(cfg, G, t))
     return "\n".join(out)
+
+
+def regime(cfg, G, t):
+    """A generator is slot-bound where the lag bound lets in more completions than its slots hold ((k+1) B G / G_gen >
+    --slots): training groups take every slot that frees, but for the room kept for a held-out group (infra.dist.admit);
+    else lag-bound. The evaluation's share of the slots and its time, either way."""
+    want = (cfg.max_lag + 1) * cfg.batch_prompts * cfg.group_size / G
+    return (f"  generators {'slot' if want > cfg.slots else 'lag'}-bound: the lag bound lets {want:,.0f} completions "
+            f"into each, {cfg.slots} slots;\n    held-out groups keep --eval_share={cfg.eval_share} of them "
+            f"({round(cfg.eval_share * cfg.slots)}): an evaluation {t['evaluation']:,.0f} s")

@@ -60,7 +60,7 @@ def start(cfg):
     try:
         if rank0 and world > 1 and torch.cuda.is_available():
             # as --dry_run plans it: --gen_share's split, or fewer generators where its trainer ranks would not fit
-            # these GPUs; --dist_timeout=0 from the estimates; time-outs shorter than the work they wait for refused
+            # these GPUs; a job whose evaluations would outlast --eval_every steps refused
             from infra.plan import settle
             gb = torch.cuda.get_device_properties(0).total_memory / 1e9
             g, cfg.dist_timeout, problem = settle(cfg, world, gb)
@@ -70,7 +70,7 @@ def start(cfg):
                 cfg.gen_ranks = g
                 print(f"generator ranks: {g} of {world}, not --gen_share's {cfg.gen_share}: the most whose trainer "
                       f"ranks fit {gb:.0f} GB GPUs (see --dry_run)")
-        cfg.dist_timeout = cfg.dist_timeout or 1800.0  # 0 on the CPU: no estimate
+        cfg.dist_timeout = cfg.dist_timeout or 1800.0  # 0: 30 min of a rank's silence
         job = dist.dist_init(cfg.gen_ranks, cfg.dist_timeout, cfg.gen_share)
     except ValueError as e:  # a split that leaves no trainer rank
         fail(str(e))
@@ -256,14 +256,16 @@ class Evaluator:
             self.log.write(dict(step=step, **self.log.clock, **row, eval=True))
         return held_out_line(row, self.tasks)
 
-    def collect(self, until=0, patient=False):
-        """Under torchrun, trainer rank 0 logs the rows the generator ranks have sent (TrainerLink.evals)."""
-        if self.job.rank != 0 or self.job.world == 1:
+    def collect(self, until=0):
+        """Under torchrun, trainer rank 0 logs the rows the generator ranks have sent (TrainerLink.evals); the other
+        trainer ranks wait at a gate meanwhile, not in the collective after it."""
+        if self.job.world == 1:
             return
-        for row, results, versions in self.source.evals(until, patient):
+        for row, results, versions in self.source.evals(until) if self.job.rank == 0 else ():
             pr = pipeline_rl.pass_rates(results, self.tasks)
             self.log.write(dict(row, **pr, eval_versions=versions, eval=True))
             print(f"step {row['step']:4d} | {held_out_line(pr, self.tasks)} (generator ranks)", flush=True)
+        dist.gate(self.job, "trainer rank 0's evaluation rows")
 
 
 def generator_rank(cfg, job, rollouts, val, resume):
@@ -296,7 +298,7 @@ def finish(cfg, job, step, bad_run, stop, saved, source, evaluate, policy, opt, 
     final = {name: t.to(dtype).cpu() for name, t, dtype in policy.weights() if job.rank == 0} if not stop else None
     if job.world > 1 and job.rank == 0 and not stop:
         dist.counter(job, "stop", 1)
-    evaluate.collect(until=step - cfg.eval_every + 1 if stop else math.inf, patient=not stop)
+    evaluate.collect(until=step - cfg.eval_every + 1 if stop else math.inf)
     source.close()
     # under torchrun: summed over the generator ranks
     log.took["generation"] = source.totals()["gen_s"]

@@ -9,7 +9,9 @@
    exports the model from the shards.
 4. Two `torchrun --nnodes=2` launches (c10d rendezvous on 127.0.0.1) train together; then the generator's process is
    killed and the trainer's launch ends within a bounded time with a message naming rank 1.
-5. A generator that hangs (SIGSTOP) makes trainer rank 0 exit after --dist_timeout with a message naming it.
+5. A generator that hangs (SIGSTOP) makes trainer rank 0 exit after --dist_timeout with a message naming it. Three
+   launches (2 FSDP2 trainers, 1 generator): an evaluation longer than --dist_timeout is waited for at a checkpoint,
+   and a killed generator still ends the job within --dist_timeout, its silence named.
 
 All runs share one base directory (the warm start is computed once). Run: python -m pytest tests/test_distributed.py
 (a minute or two on 2 CPU cores; `-m "not slow"` keeps only the in-process check).
@@ -254,7 +256,6 @@ def test_a_generator_visits_the_store_on_a_timer_not_every_engine_step(monkeypat
             return getattr(store, name)
     job = dist.Dist(rank=1, world=2, trainers=[0], generators=[1], timeout=30.0, store=Counted())
     sent = []
-    monkeypatch.setattr(dist, "send_groups", lambda job, msg: sent.append(msg))  # the transport is not under test
     tok = data.char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=")
     cfg = scalerl.Config(slots=8, think_min=8, think_max=12, answer_budget=5, max_prompt=64)
     engine = make_engine(cfg, trainer.tiny_model(cfg, len(tok)), tok, 0)
@@ -262,7 +263,8 @@ def test_a_generator_visits_the_store_on_a_timer_not_every_engine_step(monkeypat
     __import__("threading").Timer(2.0, lambda: store.add("stop", 2)).start()  # 2: stop (1: training over)
     t = time.time()
     dist.run_generator(job, rollouts, mode="pipeline", k=8, batch_prompts=4, group_size=2, state_path="/nonexistent",
-                       save_every=10 ** 9, bucket_bytes=1 << 20, held_out=dist.HeldOut(rollouts, [], 2, cap=2))
+                       save_every=10 ** 9, bucket_bytes=1 << 20, held_out=dist.HeldOut(rollouts, [], 2, cap=2),
+                       send=lambda job, msg: sent.append(msg))  # the transport is not under test
     polls, steps, admitted = (time.time() - t) / dist.POLL_S + 1, engine.stats["decode_steps"], store.add("admitted", 0)
     assert steps > 10 and sum(len(m[0]) for m in sent if m) > 4 and None in sent  # it generated, sent, said it stopped
     assert store.add("gen_tokens", 0) == engine.stats["tokens"]  # its counts were flushed before it stopped
@@ -366,22 +368,33 @@ def launch(args, log):
     return subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True)
 
 
+def nodes(n, log, *args):
+    """`n` torchrun launches of one rank each on this machine, as n nodes (torchrun passes no death to another
+    launch), their output in log<i>.log."""
+    port = free_port()
+    return [launch(torchrun(f"--nnodes={n}", f"--node_rank={i}", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                            f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=scalerl-{log.name}", *SMOKE, *args),
+                   f"{log}{i}.log") for i in range(n)]
+
+
+def kill(pid, procs):
+    """SIGKILL `pid`; the seconds until every launch has ended."""
+    os.kill(pid, signal.SIGKILL)
+    t = time.time()
+    for p in procs:
+        p.wait(timeout=120)
+    return time.time() - t
+
+
 @pytest.mark.slow
 def test_two_nodes_train_together_then_a_killed_rank_ends_the_job(runs):
-    out, port = runs / "nodes", free_port()
-    procs = [launch(torchrun("--nnodes=2", f"--node_rank={i}", "--nproc_per_node=1", "--rdzv_backend=c10d",
-                             f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=scalerl-test", *SMOKE,
-                             f"--out_dir={out}", "--max_steps=1000", "--eval_every=1000", "--dist_timeout=20"),
-                    runs / f"node{i}.log") for i in (0, 1)]
+    out = runs / "nodes"
+    procs = nodes(2, runs / "node", f"--out_dir={out}", "--max_steps=1000", "--eval_every=1000", "--dist_timeout=20")
     try:
         wait_for_steps(out / "metrics.jsonl", 3, procs)  # trained together across the two launches
         ranks = worker_pids({p.pid for p in procs})
         assert set(ranks) == {0, 1} and ranks[0][1] != ranks[1][1]  # one rank per launch
-        os.kill(ranks[1][0], signal.SIGKILL)
-        t = time.time()
-        for p in procs:
-            p.wait(timeout=120)
-        elapsed = time.time() - t
+        elapsed = kill(ranks[1][0], procs)
     finally:
         for p in procs:
             p.kill()
@@ -391,6 +404,32 @@ def test_two_nodes_train_together_then_a_killed_rank_ends_the_job(runs):
     assert elapsed < 60, elapsed
     line = [x for x in trainer_log.splitlines() if x.startswith("error: trainer rank 0")]
     assert line and "generator rank" in line[0] and "1" in line[0], trainer_log[-3000:]
+
+
+@pytest.mark.slow
+def test_a_long_evaluation_is_waited_for_and_a_killed_rank_still_ends_the_job(runs):
+    """Three launches of one rank each (as three nodes: torchrun passes no death to another launch), two FSDP2 trainer
+    ranks and a generator. At the step-2 checkpoint trainer rank 0 waits for an evaluation longer than
+    --dist_timeout, trainer rank 1 at the gate before the next collective: both wait on while every rank lives
+    (a flat time-out ended the job). The generator killed, its silence ends the job within --dist_timeout."""
+    timeout, out = 8, runs / "silence"
+    procs = nodes(3, out, f"--out_dir={out}", "--max_steps=1000", "--eval_every=2", "--ckpt_every=2",
+                  "--eval_prompts=1000", "--eval_samples=8", "--gen_ranks=1", f"--dist_timeout={timeout}")
+    try:
+        wait_for_steps(out / "metrics.jsonl", 2, procs)  # step 2's checkpoint waits for the step-0 evaluation
+        time.sleep(2 * timeout)
+        rows = read_jsonl(out / "metrics.jsonl", torn_ok=True)
+        assert all(p.poll() is None for p in procs) and not any("pass_rate" in r for r in rows), rows[-1]
+        assert [r["step"] for r in rows] == [1, 2]  # still waiting, alive
+        ranks = worker_pids({p.pid for p in procs})
+        elapsed = kill(ranks[2][0], procs)
+    finally:
+        for p in procs:
+            p.kill()
+    log = (runs / f"silence{[p.pid for p in procs].index(ranks[0][1])}.log").read_text()
+    assert elapsed < timeout + 30, elapsed  # the silence, a heartbeat's check, and room for a busy machine
+    line = [x for x in log.splitlines() if x.startswith("error: trainer rank 0 gave up waiting for the held-out")]
+    assert line and ": generator rank 2 has been silent for " in line[0], log[-3000:]
 
 
 @pytest.mark.slow

@@ -3,12 +3,15 @@
 
 A tiny `torchrun --nproc_per_node=2` run (1 generator, 1 trainer) whose step-0 evaluation takes longer than its
 --dist_timeout: it finishes, every evaluation row is logged, and training steps went on while the evaluation ran (the
-trainer, waiting for rollouts, would give up after --dist_timeout were they held up). Run: python -m pytest
-tests/test_torchrun_eval.py (a minute or two on 2 CPU cores).
+trainer, waiting for rollouts, would give up after --dist_timeout were they held up). A checkpoint's wait on an
+evaluation asked --eval_every steps before it outlasts --dist_timeout and the run goes on (waits end on a silent
+rank, not on duration). A slot-bound generator starts its held-out groups within a few engine steps.
+Run: python -m pytest tests/test_torchrun_eval.py (a few minutes on 2 CPU cores).
 """
 import os
 import re
 import subprocess
+import time
 
 import pytest
 import torch
@@ -61,6 +64,27 @@ def test_a_checkpoint_is_written_before_the_wait_on_evaluations(tmp_path):
     assert {r["step"] for r in read_jsonl(out / "metrics.jsonl") if "pass_rate" in r} == logged | {6}
 
 
+@pytest.mark.slow
+def test_a_checkpoint_waits_for_an_evaluation_longer_than_the_time_out(tmp_path):
+    """The wait before a checkpoint on an evaluation asked --eval_every steps before it gives up on silence, not on
+    duration: its evaluation outlasts --dist_timeout while the generator is alive and busy, and the run finishes with
+    every row (a flat time-out ended it at the first such wait)."""
+    timeout, out = 8, tmp_path / "run"
+    p = subprocess.Popen(torchrun("--standalone", "--nproc_per_node=2", "scalerl.py", "--config", "smoke",
+                                  "--threads=1", f"--out_dir={out}", "--eval_prompts=200", "--eval_samples=8",
+                                  f"--dist_timeout={timeout}"),  # 4 steps, evaluations and checkpoints every 2
+                         cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = {}  # the progress lines' first words (and whether they log a row) -> when they came
+    for line in p.stdout:
+        seen.setdefault((line[:10], "pass rate" in line), time.time())
+    assert p.wait(timeout=600) == 0 and ("step    0 ", True) in seen, seen
+    # the checkpoint at step 2 waited for the step-0 row longer than the time-out, before step 3
+    assert seen[("step    0 ", True)] - seen[("step    2/", False)] > timeout, seen
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows if "pass_rate" in r] == [0, 2, 4]
+    assert [(r["step"], "pass_rate" in r) for r in rows][:4] == [(1, False), (2, False), (0, True), (3, False)]
+
+
 def test_held_out_groups_keep_their_share_of_the_slots_and_come_back_whole():
     """infra.dist.HeldOut on a real engine beside training groups: at most `cap` held-out completions run at once
     (every slot once training is over), two overlapping evaluations keep their groups apart, each comes back whole,
@@ -95,3 +119,39 @@ def test_held_out_groups_keep_their_share_of_the_slots_and_come_back_whole():
     nothing = dist.HeldOut(rollouts, [], 2, cap=4)
     nothing.ask(3)
     assert nothing.take([]) == [(3, [])] and nothing.score([]) == dict(results=[], versions=None)
+
+
+def test_a_slot_bound_generator_still_starts_its_held_out_groups():
+    """infra.dist.admit, the generator's per-turn starts, on a real engine that training groups alone would keep full
+    (slot-bound: the lag bound admits 36 groups of 4 into 16 slots): the asked evaluation starts within a few engine
+    steps and completes while training groups are still admitted beside it. Under the old rule (a training group
+    whenever any room is free) a held-out group starts only when a group's room happens to free in one engine
+    step."""
+    import data
+    import pipeline_rl
+    import scalerl
+    import torch
+    import trainer
+    from infra import dist
+    from infra.run import make_engine
+    tok = data.char_tokenizer(data.ARITH_CHARS + data.INTERRUPT_PHRASE + "=")
+    cfg = scalerl.Config(slots=16, think_min=4, think_max=40, answer_budget=5, max_prompt=64)
+    engine = make_engine(cfg, trainer.tiny_model(cfg, len(tok)), tok, 0)
+    rollouts = pipeline_rl.Rollouts(engine, pipeline_rl.PromptPool(data.arith_problems(200), seed=0), tok, 64)
+    job = dist.Dist(rank=1, world=2, generators=[1], store=torch.distributed.HashStore())
+    held = dist.HeldOut(rollouts, [rollouts.template(p, -1 - i) for i, p in enumerate(data.arith_problems(5, seed=1))],
+                        4, cap=8)
+    turn = dict(mode="pipeline", k=8, batch_prompts=4, group_size=4, dropped=0, stop=0)
+    limit, next_group, steps, started, complete = (8 + 1) * 4, None, 0, None, []
+    while not complete and steps < 2000:
+        if steps == 10:
+            held.ask(0)  # the slots are full of training groups by now
+        next_group = dist.admit(job, rollouts, held, next_group, **turn)
+        if held.running and not started:  # (engine step, groups admitted) when the evaluation started
+            started = steps, job.store.add("admitted", 0)
+        complete += [v for v, _ in held.take(engine.step()) if v is not None]
+        steps += 1
+    # measured: asked at engine step 10, started at 16 (6 groups admitted), complete at 108 (22 admitted); the old rule
+    # started it at step 62, when 4 slots happened to free at once
+    assert complete == [0] and started[0] < 10 + 20 and started[1] < limit, (steps, started)
+    assert job.store.add("admitted", 0) > started[1]  # training admission went on beside the evaluation
