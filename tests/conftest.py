@@ -15,8 +15,11 @@ import os
 import re
 import shlex
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -48,6 +51,11 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFO
 # added to ENV: a subprocess that runs as if vLLM were not installed (tests/without_vllm/sitecustomize.py)
 WITHOUT_VLLM = {"PYTHONPATH": os.pathsep.join(filter(None, [os.path.join(ROOT, "tests", "without_vllm"),
                                                             os.environ.get("PYTHONPATH")]))}
+
+
+# a torchrun job's environment: one thread a rank, and the project importable by a test file torchrun runs as a script
+TORCHRUN_ENV = {**ENV, "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, ENV.get("PYTHONPATH")]))}
 
 
 TIMING = {"dt", "device_hours", "cpu_hours", "gen_tok_s", "train_tok_s", "gen_busy", "train_busy",
@@ -154,3 +162,63 @@ def tree_hashes(d):
             with open(path, "rb") as f:
                 out[os.path.relpath(path, d)] = hashlib.sha256(f.read()).hexdigest()
     return out
+
+
+# Launches of one rank each, as nodes on this machine: a rank killed in one does not make torchrun end the others
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_pids(launchers):
+    """{global rank: (pid, its launcher's pid)} of the processes torchrun started (children of the launchers, RANK in
+    their environment)."""
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if ppid in launchers:
+            rank = [e[5:] for e in env if e.startswith(b"RANK=")]
+            if rank:
+                out[int(rank[0])] = (int(pid), ppid)
+    return out
+
+
+def wait_for_steps(path, n, procs, timeout=180):
+    """Until metrics.jsonl at `path` holds `n` training rows; fails at once if one of `procs` has ended."""
+    t = time.time()
+    while time.time() - t < timeout:
+        if os.path.exists(path) and sum("pass_rate" not in r for r in read_jsonl(path, torn_ok=True)) >= n:
+            return
+        assert all(p.poll() is None for p in procs), [p.communicate()[1][-3000:] for p in procs if p.poll()]
+        time.sleep(0.2)
+    raise AssertionError(f"no {n} steps in {timeout} s")
+
+
+def launch(args, log):
+    return subprocess.Popen(args, cwd=ROOT, env=TORCHRUN_ENV, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def nodes(n, log, *args):
+    """`n` torchrun launches of one rank each of `args` (the script and its options) on this machine, as n nodes
+    (torchrun passes no death to another launch), their output in log<i>.log."""
+    port = free_port()
+    return [launch(torchrun_command(f"--nnodes={n}", f"--node_rank={i}", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                                    f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=scalerl-{log.name}", *args),
+                   f"{log}{i}.log") for i in range(n)]
+
+
+def kill(pid, procs):
+    """SIGKILL `pid`; the seconds until every launch has ended."""
+    os.kill(pid, signal.SIGKILL)
+    t = time.time()
+    for p in procs:
+        p.wait(timeout=120)
+    return time.time() - t

@@ -20,7 +20,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,15 +27,13 @@ import time
 import pytest
 import torch
 
-from conftest import ENV, ROOT, read_jsonl, run_base, torchrun_command as torchrun  # also puts the root on sys.path
+from conftest import ROOT, TORCHRUN_ENV as ENV, free_port, kill, launch, nodes, read_jsonl, run_base, \
+    torchrun_command as torchrun, wait_for_steps, worker_pids  # conftest also puts the root on sys.path
 import losses
 import scalerl
 import trainer
 from engine import Sample
 from infra import dist, plan as planner
-
-# PYTHONPATH: this file, run by torchrun as a script, imports the project's modules
-ENV = {**ENV, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, ENV.get("PYTHONPATH")]))}
 
 
 @pytest.fixture(scope="module")
@@ -332,64 +329,11 @@ def test_three_ranks_two_fsdp_trainers(runs):
 # 4 and 5. Two launches on one machine; a rank that dies or hangs ends the job with a message
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def worker_pids(launchers):
-    """{global rank: pid} of the processes torchrun started (children of the launchers, RANK in their environment)."""
-    out = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if ppid in launchers:
-            rank = [e[5:] for e in env if e.startswith(b"RANK=")]
-            if rank:
-                out[int(rank[0])] = (int(pid), ppid)
-    return out
-
-
-def wait_for_steps(path, n, procs, timeout=180):
-    t = time.time()
-    while time.time() - t < timeout:
-        if os.path.exists(path) and sum("pass_rate" not in r for r in read_jsonl(path, torn_ok=True)) >= n:
-            return
-        assert all(p.poll() is None for p in procs), [p.communicate()[1][-3000:] for p in procs if p.poll()]
-        time.sleep(0.2)
-    raise AssertionError(f"no {n} steps in {timeout} s")
-
-
-def launch(args, log):
-    return subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True)
-
-
-def nodes(n, log, *args):
-    """`n` torchrun launches of one rank each on this machine, as n nodes (torchrun passes no death to another
-    launch), their output in log<i>.log."""
-    port = free_port()
-    return [launch(torchrun(f"--nnodes={n}", f"--node_rank={i}", "--nproc_per_node=1", "--rdzv_backend=c10d",
-                            f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=scalerl-{log.name}", *SMOKE, *args),
-                   f"{log}{i}.log") for i in range(n)]
-
-
-def kill(pid, procs):
-    """SIGKILL `pid`; the seconds until every launch has ended."""
-    os.kill(pid, signal.SIGKILL)
-    t = time.time()
-    for p in procs:
-        p.wait(timeout=120)
-    return time.time() - t
-
-
 @pytest.mark.slow
 def test_two_nodes_train_together_then_a_killed_rank_ends_the_job(runs):
     out = runs / "nodes"
-    procs = nodes(2, runs / "node", f"--out_dir={out}", "--max_steps=1000", "--eval_every=1000", "--dist_timeout=20")
+    procs = nodes(2, runs / "node", *SMOKE, f"--out_dir={out}", "--max_steps=1000", "--eval_every=1000",
+                  "--dist_timeout=20")
     try:
         wait_for_steps(out / "metrics.jsonl", 3, procs)  # trained together across the two launches
         ranks = worker_pids({p.pid for p in procs})
@@ -413,7 +357,7 @@ def test_a_long_evaluation_is_waited_for_and_a_killed_rank_still_ends_the_job(ru
     --dist_timeout, trainer rank 1 at the gate before the next collective: both wait on while every rank lives
     (a flat time-out ended the job). The generator killed, its silence ends the job within --dist_timeout."""
     timeout, out = 8, runs / "silence"
-    procs = nodes(3, out, f"--out_dir={out}", "--max_steps=1000", "--eval_every=2", "--ckpt_every=2",
+    procs = nodes(3, out, *SMOKE, f"--out_dir={out}", "--max_steps=1000", "--eval_every=2", "--ckpt_every=2",
                   "--eval_prompts=1000", "--eval_samples=8", "--gen_ranks=1", f"--dist_timeout={timeout}")
     try:
         wait_for_steps(out / "metrics.jsonl", 2, procs)  # step 2's checkpoint waits for the step-0 evaluation
