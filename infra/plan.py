@@ -341,6 +341,7 @@ def plan(cfg):
                f"{'FP32' if cfg.fp32_head else 'LM'} head {t['head']:,.0f} s ({t['head'] / t['step']:.0%} of the "
                f"step's time, {HEAD_FLOPS[cfg.fp32_head]}VH FLOPs a token)")
     if world > 1:  # a preempted run finishes its step, then every trainer rank writes its shard (infra/rundir.py)
+        want = (cfg.max_lag + 1) * BG / G  # completions the lag bound lets into a generator
         out += [f"    generation {t['generation']:,.0f} s a step over {G} generators, first group "
                 f"{t['first_group']:,.0f} s, held-out evaluation {t['evaluation']:,.0f} s\n    (--eval_share="
                 f"{cfg.eval_share} of the slots, interleaved with rollouts; every {cfg.eval_every} steps = "
@@ -354,17 +355,10 @@ def plan(cfg):
                 f"{12 * P / T / 1e9:.1f} GB per trainer rank; give torchrun\n    --shutdown-timeout one step and "
                 "that write (its default: 30 s, then SIGKILL), and\n    "
                 "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 to forward SIGUSR1 (by default it kills "
-                "torchrun itself)"]
-    if world > 1:
-        out.append(regime(cfg, G, t))
+                "torchrun itself)",
+                # slot-bound: the lag bound lets in more than the slots hold, training groups take every slot that
+                # frees but the room kept for a held-out group (infra.dist.admit); else lag-bound
+                f"  generators {'slot' if want > cfg.slots else 'lag'}-bound: the lag bound lets {want:,.0f} "
+                f"completions into each, {cfg.slots} slots;\n    held-out groups keep --eval_share={cfg.eval_share} "
+                f"of them ({round(cfg.eval_share * cfg.slots)}): an evaluation {t['evaluation']:,.0f} s"]
     return "\n".join(out)
-
-
-def regime(cfg, G, t):
-    """A generator is slot-bound where the lag bound lets in more completions than its slots hold ((k+1) B G / G_gen >
-    --slots): training groups take every slot that frees, but for the room kept for a held-out group (infra.dist.admit);
-    else lag-bound. The evaluation's share of the slots and its time, either way."""
-    want = (cfg.max_lag + 1) * cfg.batch_prompts * cfg.group_size / G
-    return (f"  generators {'slot' if want > cfg.slots else 'lag'}-bound: the lag bound lets {want:,.0f} completions "
-            f"into each, {cfg.slots} slots;\n    held-out groups keep --eval_share={cfg.eval_share} of them "
-            f"({round(cfg.eval_share * cfg.slots)}): an evaluation {t['evaluation']:,.0f} s")
