@@ -1,7 +1,6 @@
 """infra/rundir.py: the run directory, out/<run>/, kept by trainer rank 0 (checkpoint shards by every trainer rank):
 its lock, atomic writes, checkpoints, metrics.jsonl and --tracker, the progress lines, the stop on SIGTERM. What it
-guarantees (one live run per directory, a kill leaves the last good files, a full disk is one line): docs/faults.md.
-"""
+guarantees (one live run per directory, a kill leaves the last good files): docs/faults.md."""
 import contextlib
 import copy
 from dataclasses import asdict
