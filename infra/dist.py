@@ -123,9 +123,8 @@ def leave():
 
 @contextlib.contextmanager
 def waiting_for(job, what, bound=False):
-    """A time-out or a lost peer in the block (torch raises RuntimeError for both) ends the process: `die`. `bound`, for
-    a block that only waits (the weight broadcasts): so does lasting past --dist_timeout, as a hung NCCL collective
-    raises nothing on the host (the gradients' are left to NCCL's watchdog: docs/torchrun.md)."""
+    """A time-out or a lost peer in the block (a RuntimeError) ends the process: `die`; `bound` (a block that only
+    waits): so does lasting past --dist_timeout, as a hung NCCL collective raises nothing (docs/torchrun.md)."""
     timer = threading.Timer(job.timeout, gave_up, (job, what))
     timer.daemon = True
     if bound:
@@ -349,9 +348,8 @@ class TrainerLink(BatchSource):
 
 
 def receive_weights(job, engine, version, bucket_bytes, take=True, bufs=None):
-    """A generator rank's end of TrainerLink.push_weights (`take` False: received, not loaded). Each bucket lands in
-    the engine's `landing`: the PyTorch engine's parameters, or vLLM's receive buffer (`staged`: loaded from as each
-    bucket lands, one reload a version; a version not taken lands there too, the PyTorch engine's in `bufs`)."""
+    """A generator rank's end of TrainerLink.push_weights (`take` False: received, not loaded): each bucket into the
+    engine's `landing` (`staged`, vLLM's: loaded as each lands, one reload a version), a skipped PyTorch one: `bufs`."""
     staged, bufs = getattr(engine, "staged", False), {} if bufs is None else bufs
 
     def landed():

@@ -239,16 +239,13 @@ def settle(cfg, world, gpu_gb=GPU_GB):
     shape, g = model_shape(cfg), cfg.gen_ranks or fitting_gen_ranks(cfg, world, gpu_gb) or 0
     trainers, gens = dist.roles(world, g, cfg.gen_share)
     timeout = cfg.dist_timeout or 1800.0
-    if shape is None:
+    t = shape and timing(cfg, shape, world, len(trainers), len(gens))
+    if not t or t["evaluation"] <= (cycle := cfg.eval_every * max(t["step"], t["generation"])):
         return g, timeout, None
-    t = timing(cfg, shape, world, len(trainers), len(gens))
-    cycle = cfg.eval_every * max(t["step"], t["generation"])
-    if t["evaluation"] > cycle:
-        return g, timeout, (f"a held-out evaluation (estimated {t['evaluation']:,.0f} s with --eval_share="
-                            f"{cfg.eval_share} of {len(gens)} generators' slots) outlasts --eval_every={cfg.eval_every}"
-                            f" steps ({cycle:,.0f} s): evaluations would queue up; raise --eval_share or --eval_every, "
-                            "or lower --eval_prompts")
-    return g, timeout, None
+    return g, timeout, (f"a held-out evaluation (estimated {t['evaluation']:,.0f} s with --eval_share={cfg.eval_share} "
+                        f"of {len(gens)} generators' slots) outlasts --eval_every={cfg.eval_every} steps "
+                        f"({cycle:,.0f} s): evaluations would queue up; raise --eval_share or --eval_every, or lower "
+                        "--eval_prompts")
 
 
 def plan(cfg):

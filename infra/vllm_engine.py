@@ -19,6 +19,8 @@ import torch.distributed as dist
 from engine import Engine
 from infra.dist import buckets, new_bucket
 
+_RUN_CORE = []  # vLLM's run_engine_core while start_vllm replaces it (a forked core inherits the replacement)
+
 
 def share_in_worker(worker, message):
     """In vLLM's worker (a child seeing only its parent's GPU): the parent's receive buffer, from reduce_tensor's
@@ -90,9 +92,6 @@ def core_in_own_group(*args, **kwargs):
     # vllm/v1/executor/multiproc_executor.py:881)
     signal.pthread_sigmask(signal.SIG_BLOCK, Preemption.SIGNALS)
     return (_RUN_CORE or [EngineCoreProc.run_engine_core])[0](*args, **kwargs)  # spawned: vLLM's own, unpatched
-
-
-_RUN_CORE = []  # vLLM's run_engine_core while start_vllm replaces it (a forked core inherits the replacement)
 
 
 def fp32_head_in_worker(worker):
