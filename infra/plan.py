@@ -141,10 +141,9 @@ def margin(cfg, rows):  # the allocator's, for the trainer's rows (an engine all
 
 
 def columns(cfg, shape, world, T, seq, defer=None):
-    """{GPU role: {row: bytes}}. One process holds the trainer and the rollout and evaluation engines, which load the
-    trainer's weights as they hold them (trainer.Policy.state: an fp32 body is not copied). Under torchrun the
-    generators evaluate, and the weights travel in buckets (infra.dist; docs/torchrun.md). `defer` None: the plan's
-    choice, gradients reduce-scattered once a step where trainer rank 0 holds them unsharded too (defer_sync)."""
+    """{GPU role: {row: bytes}}: one process holds the trainer and both engines (trainer.Policy.state: an fp32 body is
+    not copied); under torchrun the generators evaluate, weights travel in buckets (docs/torchrun.md). `defer` None:
+    the plan's choice, gradients reduce-scattered once a step where trainer rank 0 holds them unsharded too."""
     (P, _, _, b, hb, _), (_, H, I, _, _, _, V, tied) = sizes(cfg, shape), shape
     if defer is None:
         defer = T > 1 and counted(cfg, columns(cfg, shape, world, T, seq, True)["trainer 0"]) <= GPU_GB * GB
