@@ -45,10 +45,9 @@ def bucket_pairs(worker, bucket):
 
 
 def reload_in_worker(worker, bucket):
-    """In vLLM's worker: one step of a load. vLLM's reload_weights (model_loader/reload/inplace.py:104-106) split so
-    that a version is one reload however many buckets it takes: "begin" (its set-up over every module,
-    reload/layerwise.py:101), a bucket (the model's own loader fuses q/k/v and gate/up and processes a layer once all
-    its tensors are in), "end" (the processing left, again over every module, layerwise.py:244)."""
+    """In vLLM's worker: one step of a load, vLLM's reload_weights (model_loader/reload/inplace.py:104-106) split so
+    that a version is one reload: "begin" (set-up of every module, reload/layerwise.py:101), a bucket (the model's
+    loader fuses q/k/v and gate/up, processes a layer once it has all), "end" (what is left, layerwise.py:244)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import layerwise
     model = worker.get_model()
@@ -74,10 +73,9 @@ def reload_in_worker(worker, bucket):
 
 
 def core_in_own_group(*args, **kwargs):
-    """vLLM's engine core process (the target it starts, vllm/v1/engine/utils.py:283), its workers with it, out of the
-    torchrun worker's process group, which torchrun signals as a whole to stop a worker
-    (torch/distributed/elastic/multiprocessing/subprocess_handler/subprocess_handler.py:85, os.killpg): a preempted
-    generator rank generates on until the trainers have checkpointed. It dies with its parent (PR_SET_PDEATHSIG)."""
+    """vLLM's engine core (vllm/v1/engine/utils.py:283) and its workers out of the torchrun worker's process group,
+    which torchrun signals as a whole (elastic/multiprocessing/subprocess_handler/subprocess_handler.py:85, killpg): a
+    preempted generator rank generates on until the trainers have checkpointed. It dies with its parent."""
     import ctypes
     import multiprocessing
     import signal
