@@ -290,7 +290,7 @@ class TrainerLink(BatchSource):
             return
         counter(self.job, "version", 1)
         for i, run in enumerate(buckets(policy.weights(), self.bucket_bytes)):
-            # a copy, never the live parameters (the next step changes them), into the buffer whose broadcast landed
+            # a copy, never the live parameters (the next step changes them), into the buffer broadcast i - 2 left
             flat, _ = new_bucket(run, run[0][1].device, self.bufs, i % 2, fill=True)
             self._land()
             self.pending = dist.broadcast(flat, src=0, group=self.job.groups["weights"], async_op=True)
