@@ -1,7 +1,6 @@
 """infra/cli.py: the command line, read and checked once; past parse_args every option is valid, and every bad input
 has exited with code 2 and one line naming the option. The syntax, presets and what a resume may change:
-docs/own-model-and-data.md.
-"""
+docs/own-model-and-data.md."""
 import argparse
 from dataclasses import asdict, fields
 import difflib

@@ -42,10 +42,7 @@ class Dist:
 
     def who(self, rank):
         return f"{'trainer' if rank in self.trainers else 'generator'} rank {rank}"
-
-    @property
-    def name(self):
-        return self.who(self.rank)
+    name = property(lambda self: self.who(self.rank))
 
 
 def roles(world, gen_ranks=0, gen_share=0.5):
@@ -66,8 +63,7 @@ def dist_init(gen_ranks=0, timeout=60.0, gen_share=0.5):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # one GPU per rank (NCCL needs it set first)
     dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
                             timeout=timedelta(seconds=max(timeout, 1800)))  # start-up only, long warm start included
-    # rank 0's generator count and time-out on every rank (infra.run.start may take them from the plan, which reads
-    # rank 0's files)
+    # rank 0's generator count and time-out on every rank (infra.run.start may take them from rank 0's plan)
     box = [gen_ranks, timeout]
     dist.broadcast_object_list(box, src=0)
     gen_ranks, timeout = box
@@ -83,25 +79,19 @@ def dist_init(gen_ranks=0, timeout=60.0, gen_share=0.5):
         groups[rank] = dist.new_group([0, rank], timeout=timedelta(days=1), backend="gloo")
     store = dist.distributed_c10d._get_default_store()
     job = Dist(dist.get_rank(), world, trainers, generators, timeout, groups, store)
-    heartbeat(job)
+
+    def beat():  # this rank's heartbeats, until it ends or hangs (or the store's host, trainer rank 0, is gone)
+        with contextlib.suppress(Exception):  # noqa: BLE001 -- a lost store: the waits say why
+            while True:
+                store.add(f"alive/{job.rank}", 1)
+                time.sleep(HEARTBEAT_S)
+    threading.Thread(target=beat, name="heartbeat", daemon=True).start()
     return job
 
 
-def heartbeat(job):
-    """This rank shows it is alive: a thread adds to its count in the job's TCPStore every HEARTBEAT_S, until the
-    process ends (or hangs, or the store's host, trainer rank 0, is gone)."""
-    def beat():
-        with contextlib.suppress(Exception):  # noqa: BLE001 -- a lost store: the waits say why
-            while True:
-                job.store.add(f"alive/{job.rank}", 1)
-                time.sleep(HEARTBEAT_S)
-    threading.Thread(target=beat, name="heartbeat", daemon=True).start()
-
-
 def alive(job, what, lost=""):
-    """Called as a wait goes on (it reads the store at most every HEARTBEAT_S): a wait gives up on silence, not on
-    duration. Once a rank of the job has not beaten for --dist_timeout, this one ends, naming it and `what` it waited
-    for; while all live, however long their work, the wait goes on (docs/faults.md)."""
+    """Called as a wait goes on: it ends this rank once another has been silent for --dist_timeout, never on a live
+    one (docs/faults.md). Reads the store at most every HEARTBEAT_S."""
     now = job.clock.time()
     if now - job.heard.get("checked", -HEARTBEAT_S) < HEARTBEAT_S:
         return
@@ -133,9 +123,8 @@ def leave():
 
 @contextlib.contextmanager
 def waiting_for(job, what, bound=False):
-    """A time-out or a lost peer in the block (torch raises RuntimeError for both) ends the process: `die`. `bound`, for
-    a block that only waits (the weight broadcasts): so does lasting past --dist_timeout, as a hung NCCL collective
-    raises nothing on the host (the gradients' are left to NCCL's watchdog: docs/torchrun.md)."""
+    """A time-out or a lost peer in the block (a RuntimeError) ends the process: `die`; `bound` (a block that only
+    waits): so does lasting past --dist_timeout, as a hung NCCL collective raises nothing (docs/torchrun.md)."""
     timer = threading.Timer(job.timeout, gave_up, (job, what))
     timer.daemon = True
     if bound:
@@ -190,9 +179,8 @@ def send_groups(job, msg):
 
 
 def pack(g):
-    """A group on the wire and in trainer rank 0's inbox: its Samples without their lists, the prompt once (a group's
-    completions share it), their tokens (int32), logprobs (fp32) and versions (int32; a forced token's ~version),
-    12 bytes a token against about 84 as Python lists (infra.plan.WIRE)."""
+    """A group on the wire and in trainer rank 0's inbox: Samples without their lists, the prompt once, tokens (int32),
+    logprobs (fp32), versions (int32; a forced token's ~version): infra.plan.WIRE bytes a token."""
     versions = [~v if f else v for s in g for v, f in zip(s.versions, s.forced)]
     return ([replace(s, prompt_tokens=None, tokens=len(s.tokens), logprobs=None, versions=None, forced=None)
              for s in g], torch.tensor(g[0].prompt_tokens, dtype=torch.int32),
@@ -231,9 +219,8 @@ def buckets(named, limit):
 
 
 def new_bucket(run, device, bufs, i=0, fill=False):
-    """A flat tensor for bucket `run` (its dtype, on `device`) in byte buffer bufs[i], grown when it needs more, and
-    its view of each tensor; reused: a new one per bucket pays its page faults every update (bench/weight_sync.py).
-    `fill`: with a copy of `run`'s tensors (copy_ casts without torch.cat's temporary)."""
+    """A flat tensor for bucket `run` in reused byte buffer bufs[i] (grown as needed: bench/weight_sync.py), and its
+    view of each tensor; `fill`: with a copy of `run`'s tensors (copy_ casts without torch.cat's temporary)."""
     numel, dtype, device = sum(t.numel() for _, t, _ in run), run[0][2], torch.empty(0, device=device).device
     if bufs.get(i) is None or bufs[i].numel() < numel * dtype.itemsize or bufs[i].device != device:
         bufs[i] = None  # the old one goes first
@@ -303,8 +290,7 @@ class TrainerLink(BatchSource):
             return
         counter(self.job, "version", 1)
         for i, run in enumerate(buckets(policy.weights(), self.bucket_bytes)):
-            # a copy, never the live parameters (the next step changes them), into the buffer whose broadcast (i - 2)
-            # has landed
+            # a copy, never the live parameters (the next step changes them), into the buffer broadcast i - 2 left
             flat, _ = new_bucket(run, run[0][1].device, self.bufs, i % 2, fill=True)
             self._land()
             self.pending = dist.broadcast(flat, src=0, group=self.job.groups["weights"], async_op=True)
@@ -322,17 +308,19 @@ class TrainerLink(BatchSource):
             self.job.store.set(f"eval/{version}", "")
 
     def evals(self, until=0):
-        """Trainer rank 0: [(row, results, (first, last) version of their tokens)] of the complete evaluations, in
-        order, and those of versions before `until` waited for, as long as every rank lives (the other trainer ranks
-        wait at a `gate`), as an evaluation may take hours on a few GPUs."""
+        """Trainer rank 0: [(row, results, (first, last) version of their tokens)] of the complete evaluations in order,
+        those before `until` waited for while every rank lives (docs/torchrun.md)."""
         out = []
         for v in sorted(self.asked):
             keys = [f"eval/{v}/{rank}" for rank in self.job.generators]
             if not (v < until or self.job.store.check(keys)):
                 break
+            # what a wait that ends the run loses: the rows asked and not logged (--resume names them again)
+            lost = f"; held-out rows lost: steps {sorted(row['step'] for row in self.asked.values())} (the last " \
+                "checkpoint keeps the training before it: --resume)"
             while not self.job.store.check(keys):
                 alive(self.job, f"the held-out pass rate of policy version {v} from generator ranks "
-                      f"{self.job.generators}", self.lost())
+                      f"{self.job.generators}", lost)
                 self.job.clock.sleep(POLL_S)
             parts = [json.loads(self.job.store.get(key)) for key in keys]
             versions = [x for p in parts for x in p["versions"] or ()] or [v]
@@ -340,11 +328,6 @@ class TrainerLink(BatchSource):
             for key in keys + [f"eval/{v}"]:
                 self.job.store.delete_key(key)
         return out
-
-    def lost(self):
-        """What a wait that ends the run loses: the rows asked and not logged (--resume names them again)."""
-        return f"; held-out rows lost: steps {sorted(row['step'] for row in self.asked.values())} (the last " \
-               "checkpoint keeps the training before it: --resume)"
 
     def totals(self):
         """Generation so far over all generator ranks: the furthest epoch, sums of the rest."""
@@ -365,9 +348,8 @@ class TrainerLink(BatchSource):
 
 
 def receive_weights(job, engine, version, bucket_bytes, take=True, bufs=None):
-    """A generator rank's end of TrainerLink.push_weights (`take` False: received, not loaded). Each bucket lands in
-    the engine's `landing`: the PyTorch engine's parameters, or vLLM's receive buffer (`staged`: loaded from as each
-    bucket lands, one reload a version; a version not taken lands there too, the PyTorch engine's in `bufs`)."""
+    """A generator rank's end of TrainerLink.push_weights (`take` False: received, not loaded): each bucket into the
+    engine's `landing` (`staged`, vLLM's: loaded as each lands, one reload a version), a skipped PyTorch one: `bufs`."""
     staged, bufs = getattr(engine, "staged", False), {} if bufs is None else bufs
 
     def landed():
@@ -386,17 +368,15 @@ def receive_weights(job, engine, version, bucket_bytes, take=True, bufs=None):
 
 
 class HeldOut:
-    """A generator rank's held-out evaluations, interleaved with its rollouts so that evaluation never stalls the
-    pipeline: an asked version's groups start in order within `cap` completions at once (--eval_share of the slots;
-    all of them once training is over), training groups fill the other slots; its rows log their tokens' versions."""
+    """A generator rank's held-out evaluations, interleaved with its rollouts within `cap` completions at once
+    (--eval_share of the slots; all once training is over): docs/torchrun.md."""
     def __init__(self, rollouts, templates, n, cap):
         self.rollouts, self.templates, self.n, self.cap = rollouts, templates, n, max(n, cap)
         # (v, template) to start; group -> v; v -> its finished groups; the versions asked
         self.todo, self.running, self.done, self.asked = [], {}, {}, set()
 
     def ask(self, v):
-        """Queue version v's held-out groups, with group ids of their own (evaluations may overlap); where this rank
-        has none, the evaluation is complete at the next `take`."""
+        """Queue version v's held-out groups, with group ids of their own (evaluations may overlap)."""
         first = -1 - len(self.asked) * len(self.templates)
         self.todo += [(v, replace(t, group=first - i)) for i, t in enumerate(self.templates)]
         self.done[v] = []
@@ -414,8 +394,7 @@ class HeldOut:
             engine.add(t, self.n)
 
     def take(self, finished):
-        """[(None, the training groups among `finished`)] if any, then [(v, its groups)] of the evaluations now
-        complete."""
+        """[(None, the training groups among `finished`)] if any, then [(v, its groups)] of evaluations now complete."""
         train = []
         for g in finished:
             v = self.running.pop(g[0].group, None)
@@ -432,11 +411,9 @@ class HeldOut:
 
 
 def admit(job, rollouts, held_out, next_group, *, mode, k, batch_prompts, group_size, dropped, stop):
-    """A generator's starts for one turn: held-out groups within their share (every slot once training is over,
-    `stop` 1), then training groups under the lag bound while more room than the next held-out group's is free (a
-    slot-bound engine, whose room a training group takes as soon as it is above 0, never frees a held-out group's
-    otherwise: the evaluation would wait for the end of training). Returns the group id taken from the job's counter
-    but not started (it waits for newer weights), or None."""
+    """A generator's starts for one turn: held-out groups within their share (every slot once `stop` is 1), then
+    training groups under the lag bound while more room than the next held-out group's is free (else a slot-bound
+    engine never frees it). Returns the group id taken from the job's counter but not started, or None."""
     engine = rollouts.engine
     held_out.start(engine, everything=stop > 0)
     while engine.room > held_out.reserve and not stop:
@@ -477,8 +454,7 @@ def run_generator(job, rollouts, *, mode, k, batch_prompts, group_size, state_pa
             counts, sent = dict.fromkeys(counts, 0), dict(engine.stats)
             stop = counter(job, "stop")  # before the version: every broadcast published before the stop is received
             dropped = counter(job, "dropped")
-            # the last version received, then the new ones, each noted for evaluation if trainer rank 0 asked (it asks
-            # once it published the version)
+            # the last version received, then the new ones, each noted for evaluation if trainer rank 0 asked
             for v in range(received, counter(job, "version") + 1):
                 if v > received:
                     receive(job, engine, v, bucket_bytes, take=mode == "pipeline" or v % k == 0, bufs=bufs)

