@@ -174,7 +174,7 @@ class Store:
             self.sim.poke(self.readers[key])
 
     def add(self, key, n):
-        if key.startswith("alive/"):  # a rank's heartbeats (the thread infra.dist.dist_init starts): every rank here lives
+        if key.startswith("alive/"):  # heartbeats (infra.dist.dist_init starts them): every rank lives
             return int(self.sim.now)
         self.d[key] = self.d.get(key, 0) + n
         self._wrote(key) if n else self._read(key)
