@@ -104,6 +104,9 @@ DEFAULTS = {"cispo": dict(eps_max=4.0), "dapo": dict(eps_low=0.2, eps_high=0.28)
 LOSSES = {"cispo": cispo, "dapo": ppo_clip, "grpo": ppo_clip, "gspo": gspo}  # (B, T) losses; gspo takes the mask too
 # policy_loss's token means, whatever the loss (docs/metrics.md)
 DIAGNOSTICS = ("clip_frac", "ratio_mean", "ratio_max", "mismatch_kl", "logratio_sq", "dapo_clip_low", "dapo_clip_high")
+# policy_loss's sums (whole-batch weights: micro-batches and ranks add up): |rho A w| of the tokens DAPO's rule would clip,
+# by side, and of every loss token (the trainer logs each side's share, docs/metrics.md)
+SUMS = ("dapo_weight_low", "dapo_weight_high", "weight_total")
 
 
 def policy_loss(logp, gen_logp, adv, mask, weights, loss="cispo", **kw):
@@ -117,7 +120,7 @@ def policy_loss(logp, gen_logp, adv, mask, weights, loss="cispo", **kw):
     total = torch.where(m, per_token * weights, torch.zeros_like(per_token)).sum()
     n = int(m.sum())
     if n == 0:
-        return total, dict.fromkeys(DIAGNOSTICS, 0.0) | dict(n_tokens=0)
+        return total, dict.fromkeys(DIAGNOSTICS + SUMS, 0.0) | dict(n_tokens=0)
     with torch.no_grad():
         rho, a = torch.exp(logp - gen_logp), _per_token(adv, logp).expand_as(logp)  # (B, T) token ratios, advantages
         if loss == "cispo":  # truncated: the weight was capped
@@ -129,10 +132,12 @@ def policy_loss(logp, gen_logp, adv, mask, weights, loss="cispo", **kw):
         # KL(gen || train), logratio_sq is the mean square of log(pi_train / pi_gen)
         rho, a, lr, dapo = rho[m], a[m], (logp - gen_logp)[m], DEFAULTS["dapo"]
         low, high = (a < 0) & (rho < 1 - dapo["eps_low"]), (a > 0) & (rho > 1 + dapo["eps_high"])
+        gw = (rho * a * weights[m]).abs()  # each token's weight on grad log pi in the unclipped surrogate rho * A
         return total, dict(clip_frac=float(clipped[m].sum()) / n, ratio_mean=float(rho.mean()),
                            ratio_max=float(rho.max()), mismatch_kl=-float(lr.mean()),
                            logratio_sq=float(lr.square().mean()), dapo_clip_low=float(low.sum()) / n,
-                           dapo_clip_high=float(high.sum()) / n, n_tokens=n)
+                           dapo_clip_high=float(high.sum()) / n, dapo_weight_low=float(gw[low].sum()),
+                           dapo_weight_high=float(gw[high].sum()), weight_total=float(gw.sum()), n_tokens=n)
 
 
 # ----------------------------------------------------------------------------- FP32-head logprobs (Sec. 3.2, Fig. 5b)

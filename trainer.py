@@ -112,7 +112,7 @@ def policy_gradient(policy, samples, adv, cfg, rank=0, world=1, version=-1):
     fresh = (versions == version) & tmask.bool()
     policy.train()
     total, ratio_max, means = 0.0, 0.0, [k for k in losses.DIAGNOSTICS if k != "ratio_max"]
-    sums = dict.fromkeys(("n_tokens", "fresh_tokens", "fresh_gap", *means), 0.0)
+    sums = dict.fromkeys(("n_tokens", "fresh_tokens", "fresh_gap", *losses.SUMS, *means), 0.0)
     for i in range(max(map(len, plans))):
         # FSDP2 ranks run the same number of passes: one with fewer adds a zero gradient
         if i >= len(plans[rank]):
@@ -134,7 +134,7 @@ def policy_gradient(policy, samples, adv, cfg, rank=0, world=1, version=-1):
 
 # train_step's metrics beside loss, n_tokens, finite and lr (docs/metrics.md)
 METRICS = ("clip_frac", "ratio_mean", "ratio_max", "mismatch_kl", "logratio_sd", "dapo_clip_low", "dapo_clip_high",
-           "fresh_mismatch", "grad_norm")
+           "dapo_grad_low", "dapo_grad_high", "fresh_mismatch", "grad_norm")
 
 
 def train_step(policy, opt, groups, cfg, step, comm=None):
@@ -167,6 +167,7 @@ def train_step(policy, opt, groups, cfg, step, comm=None):
     n = sums["n_tokens"] or 1
     out = {k: sums[k] / n for k in ("clip_frac", "ratio_mean", "mismatch_kl", "dapo_clip_low", "dapo_clip_high")}
     # the spread of log(pi_train / pi_gen): what the trust region (clip or cap) acts on; the norm before clipping
+    out |= {f"dapo_grad_{k}": sums[f"dapo_weight_{k}"] / (sums["weight_total"] or 1) for k in ("low", "high")}
     return dict(out, logratio_sd=max(sums["logratio_sq"] / n - out["mismatch_kl"] ** 2, 0.0) ** 0.5,
                 fresh_mismatch=sums["fresh_gap"] / sums["fresh_tokens"] if sums["fresh_tokens"] else None,
                 grad_norm=float(gnorm), loss=sums["loss"], ratio_max=maxes["ratio_max"], n_tokens=int(sums["n_tokens"]),

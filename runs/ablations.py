@@ -104,8 +104,11 @@ FIGURES = {"precision": ["bf16_fp32_head", "bf16_bf16_head"], "loss": ["scalerl"
            "stale_loss_lr5e-5": ["stale_cispo_lr5e-5", "stale_dapo_lr5e-5", "stale_gspo_lr5e-5"],
            "long_loss": ["long_scalerl", "long_dapo", "long_gspo"], "long_batch": ["long_scalerl", "long_batch_32"]}
 NOISE = sigmoid_fit.NOISE_MARGIN  # the paper's margin on A (0.02)
-# step metrics averaged over the second half of a run (docs/metrics.md): the trust region's mechanism at work
-MECHANISM = ("logratio_sd", "dapo_clip_low", "dapo_clip_high", "fresh_mismatch", "grad_norm", "lag_mean", "clip_frac")
+# step metrics averaged over the second half of a run (docs/metrics.md): the trust region's mechanism at work; and
+# over the first EARLY steps (`<metric>_early`), where the collapses happen
+MECHANISM = ("logratio_sd", "dapo_clip_low", "dapo_clip_high", "dapo_grad_low", "dapo_grad_high", "fresh_mismatch",
+             "grad_norm", "lag_mean", "clip_frac")
+EARLY = 100
 
 
 def compute_key(variant):
@@ -183,6 +186,7 @@ def curve(out, variant, seed):
         raise ValueError(f"{run_dir}: no evaluation before RL (R0)")
     steps = [r for r in rows(run_dir) if not r.get("eval")]
     late = [r for r in steps if 2 * r["step"] > len(steps)]  # the second half of training: the mechanism at work
+    early = [r for r in steps if r["step"] <= EARLY]
 
     def mean(k, of=steps):  # over the rows that have it (older runs lack the mechanism's metrics)
         xs = [r[k] for r in of if r.get(k) is not None]
@@ -191,7 +195,7 @@ def curve(out, variant, seed):
                 R=[float(r) for r in R], R0=r0, steps=len(steps), mismatch_kl=mean("mismatch_kl"),
                 trunc_rate=mean("trunc_rate"), zero_var_frac=mean("zero_var_frac"),
                 bound=bound(run_config(run_dir)),
-                **{k: mean(k, late) for k in MECHANISM})
+                **{k: mean(k, late) for k in MECHANISM}, **{f"{k}_early": mean(k, early) for k in MECHANISM})
 
 
 def plateau(R):
@@ -251,7 +255,7 @@ def summarize(curves):
                         final_mean=mean(np.array([r["R"][-1] for r in runs])), plateau_n=len(every),
                         plateau_mean=mean(settled), plateau_sd=sd(settled), bound=every[0].get("bound", np.nan),
                         **{k: mean(np.array([c.get(k) for c in every], dtype=float))
-                           for k in ("mismatch_kl", "trunc_rate", *MECHANISM)})
+                           for k in ("mismatch_kl", "trunc_rate", *MECHANISM, *(f"{k}_early" for k in MECHANISM))})
     return stats
 
 
@@ -335,12 +339,16 @@ def variants_table(stats):
                      f"{s['B_mean']:.2f} | {s['C_mid_mean']:.3g} | {s['pred_final_mean']:+.3f} / "
                      f"{s['pred_last3_mean']:+.3f} | {s['mismatch_kl']:+.1e} | {s['trunc_rate']:.3f} |")
     mech = [v for v, s in stats.items() if not np.isnan(s["logratio_sd"])]
-    lines += ["", "The mechanism, over the second half of each run's steps (means over seeds; docs/metrics.md):", "",
-              "| variant | lag | sd log(pi_train / pi_gen) | DAPO's rule would clip: below / above | the loss clips | "
-              "mismatch on fresh tokens | gradient norm |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {v} | {stats[v]['lag_mean']:.1f} | {stats[v]['logratio_sd']:.3f} | {stats[v]['dapo_clip_low']:.4f} / "
-              f"{stats[v]['dapo_clip_high']:.4f} | {stats[v]['clip_frac']:.4f} | {stats[v]['fresh_mismatch']:.1e} | "
-              f"{stats[v]['grad_norm']:.3f} |" for v in mech]
+    share = lambda x: "n/a" if np.isnan(x) else f"{x:.4f}"  # noqa: E731  (runs logged before the gradient weight)
+    for when, sfx in (("the second half of each run's steps", ""), (f"steps 1-{EARLY}, where collapses happen", "_early")):
+        lines += ["", f"The mechanism, over {when} (means over seeds; docs/metrics.md):", "",
+                  "| variant | lag | sd log(pi_train / pi_gen) | DAPO's rule would clip: below / above | their gradient "
+                  "weight: below / above | the loss clips | mismatch on fresh tokens | gradient norm |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {v} | {m['lag_mean' + sfx]:.1f} | {m['logratio_sd' + sfx]:.3f} | {m['dapo_clip_low' + sfx]:.4f} / "
+                  f"{m['dapo_clip_high' + sfx]:.4f} | {share(m['dapo_grad_low' + sfx])} / "
+                  f"{share(m['dapo_grad_high' + sfx])} | {m['clip_frac' + sfx]:.4f} | {m['fresh_mismatch' + sfx]:.1e} | "
+                  f"{m['grad_norm' + sfx]:.3f} |" for v in mech if not np.isnan((m := stats[v])["logratio_sd" + sfx])]
     return lines + [f"Not fitted: {run}: {why}." for s in stats.values() for run, why in s["unfitted"]]
 
 

@@ -354,6 +354,9 @@ def test_diagnostics_hand_computed():
     assert d["logratio_sq"] == pytest.approx(sum(math.log(x) ** 2 for x in (0.5, 1, 5, 1.5, 0.7, 1)) / 6)
     # what DAPO's rule would clip, whatever the loss: 5.0 above 1.28 with A>0, 0.7 below 0.8 with A<0
     assert d["dapo_clip_high"] == pytest.approx(1 / 6) and d["dapo_clip_low"] == pytest.approx(1 / 6)
+    # their gradient weight |rho A w| (w = 1/6 a token): 5.0 and 0.7 of the six tokens' 0.5+1+5+1.5+0.7+1 = 9.7
+    assert d["dapo_weight_high"] == pytest.approx(5 / 6) and d["dapo_weight_low"] == pytest.approx(0.7 / 6)
+    assert d["weight_total"] == pytest.approx(9.7 / 6)
     # DAPO: A>0 clips 5.0 (not 0.5); A<0 clips 0.7 (not 1.5): 2 of 6
     _, d = policy_loss(logp, gen_logp, adv, mask, w, loss="dapo")
     assert d["clip_frac"] == pytest.approx(2 / 6)
@@ -364,7 +367,8 @@ def test_diagnostics_hand_computed():
     assert d["clip_frac"] == pytest.approx(3 / 6) and d["dapo_clip_low"] == pytest.approx(1 / 6)
     _, d = policy_loss(logp, gen_logp, adv, mask & False, w, loss="gspo")
     assert d == {"clip_frac": 0.0, "ratio_mean": 0.0, "ratio_max": 0.0, "mismatch_kl": 0.0, "logratio_sq": 0.0,
-                 "dapo_clip_low": 0.0, "dapo_clip_high": 0.0, "n_tokens": 0}
+                 "dapo_clip_low": 0.0, "dapo_clip_high": 0.0, "dapo_weight_low": 0.0, "dapo_weight_high": 0.0,
+                 "weight_total": 0.0, "n_tokens": 0}
 
 
 # ----------------------------------------------------------------------------- token_logprobs

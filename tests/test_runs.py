@@ -113,13 +113,17 @@ def test_report_reads_run_directories_by_name(tmp_path):
         (d / "config.json").write_text('{"config": {"max_steps": 300}}')
         evals = [dict(step=10 * i, eval=True, pass_rate=r, cpu_hours=x)
                  for i, (x, r) in enumerate(zip([0.0] + c["C"], [c["R0"]] + c["R"]))]
-        steps = [dict(step=i, mismatch_kl=1e-4, trunc_rate=0.1, zero_var_frac=0.3) for i in range(1, 301)]
+        steps = [dict(step=i, mismatch_kl=1e-4, trunc_rate=0.1, zero_var_frac=0.3, logratio_sd=0.1,
+                      dapo_grad_high=0.75 if i <= 100 else 0.25 if i > 150 else 0.5) for i in range(1, 301)]
         (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in evals + steps) + "\n")
     (tmp_path / "scalerl-s0" / "config.json").write_text('{"config": {"max_steps": 400}}')  # not at its end
     ablations.report(str(tmp_path))
     curves = json.load(open(tmp_path / "curves.json"))
     assert sorted((c["variant"], c["seed"]) for c in curves) == [("bf16_fp32_head", 0), ("bf16_fp32_head", 12),
                                                                  ("no_zero_var_filter", 1)]
+    # the mechanism kept twice: over steps 1-100, where collapses happen, and over the later half
+    assert {(c["dapo_grad_high_early"], c["dapo_grad_high"], c["dapo_grad_low"]) for c in curves} == {(0.75, 0.25, None)}
     md = open(tmp_path / "results.md").read()
+    assert "| 0.100 | nan / nan | n/a / 0.7500 |" in md.split("steps 1-100")[1]
     assert "| bf16_fp32_head | --dtype=bfloat16 | 2 |" in md and "scalerl-s0" in md.split("Not finished yet:")[1]
     assert os.path.exists(tmp_path / "precision.png") and not os.path.exists(tmp_path / "loss.png")
