@@ -122,7 +122,7 @@ def policy_gradient(policy, samples, adv, cfg, rank=0, world=1, version=-1):
         L = lengths[mb[-1]]
         logp, gen, f = policy(ids[mb, :L], att[mb, :L]), gen_logp[mb, :L - 1], fresh[mb, :L - 1]
         loss, diag = losses.policy_loss(logp, gen, adv[mb], tmask[mb, :L - 1], weights[mb, :L - 1], loss=cfg.loss,
-                                        **opts)
+                                        is_correction=cfg.is_correction, is_cap=cfg.is_cap, **opts)
         loss.backward()
         total += loss.item()
         diag |= dict(fresh_tokens=int(f.sum()), fresh_gap=float(torch.where(f, (logp.detach() - gen).abs(), 0).sum()))
@@ -134,7 +134,7 @@ def policy_gradient(policy, samples, adv, cfg, rank=0, world=1, version=-1):
 
 # train_step's metrics beside loss, n_tokens, finite and lr (docs/metrics.md)
 METRICS = ("clip_frac", "ratio_mean", "ratio_max", "mismatch_kl", "logratio_sd", "dapo_clip_low", "dapo_clip_high",
-           "dapo_grad_low", "dapo_grad_high", "fresh_mismatch", "grad_norm")
+           "dapo_grad_low", "dapo_grad_high", "seq_ess", "fresh_mismatch", "grad_norm")
 
 
 def train_step(policy, opt, groups, cfg, step, comm=None):
@@ -149,7 +149,7 @@ def train_step(policy, opt, groups, cfg, step, comm=None):
     # every group zero-variance: no signal, no update (AdamW's weight decay alone would still move the weights)
     if not adv.any():
         return dict(dict.fromkeys(METRICS, 0.0), loss=0.0, ratio_mean=1.0, ratio_max=1.0, fresh_mismatch=None,
-                    n_tokens=0, finite=True, lr=lr)
+                    seq_ess=None, n_tokens=0, finite=True, lr=lr)
     rank, world = (comm.rank, comm.size) if comm else (0, 1)
     with comm.guard("gradients") if comm else contextlib.nullcontext():
         loss, sums, ratio_max = policy_gradient(policy, samples, adv, cfg, rank, world, version=step)
@@ -168,6 +168,7 @@ def train_step(policy, opt, groups, cfg, step, comm=None):
     out = {k: sums[k] / n for k in ("clip_frac", "ratio_mean", "mismatch_kl", "dapo_clip_low", "dapo_clip_high")}
     # the spread of log(pi_train / pi_gen): what the trust region (clip or cap) acts on; the norm before clipping
     out |= {f"dapo_grad_{k}": sums[f"dapo_weight_{k}"] / (sums["weight_total"] or 1) for k in ("low", "high")}
+    out["seq_ess"] = sums["seq_w"] ** 2 / (sums["n_seqs"] * sums["seq_w2"] or 1)  # (sum w)^2 / (N sum w^2), w: s_i
     return dict(out, logratio_sd=max(sums["logratio_sq"] / n - out["mismatch_kl"] ** 2, 0.0) ** 0.5,
                 fresh_mismatch=sums["fresh_gap"] / sums["fresh_tokens"] if sums["fresh_tokens"] else None,
                 grad_norm=float(gnorm), loss=sums["loss"], ratio_max=maxes["ratio_max"], n_tokens=int(sums["n_tokens"]),

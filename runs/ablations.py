@@ -55,6 +55,11 @@ VARIANTS = {  # name -> flags on top of the preset (the paper's section in the c
            ("cispo", []), ("dapo", ["--loss=dapo"]), ("gspo", ["--loss=gspo"]),
            ("dapo_no_low_clip", ["--loss=dapo", "--eps_low=1"]),
            ("dapo_no_high_clip", ["--loss=dapo", "--eps_high=100"]))},
+    # later answers to stale samples, lag 8, lr 1.5e-4 (docs/metrics.md): DPPO's divergence mask; CISPO with
+    # sequence-level masked importance sampling, at a cap that bites here (ln 1.1 = 0.095: ~3 standard deviations
+    # of a 40-token mean of DAPO's per-token log-ratios, sd ~0.2)
+    "stale_dppo": ["--config=miniature_stale", "--loss=dppo"],
+    "stale_cispo_mis": ["--config=miniature_stale", "--is_correction=mis", "--is_cap=1.1"],
     # a 64-72 token budget that every level fits: a ceiling set by learning
     **{f"long_{name}": ["--config=miniature_long", *flags] for name, flags in (
         ("scalerl", []), ("dapo", ["--loss=dapo"]), ("gspo", ["--loss=gspo"]), ("batch_32", ["--batch_prompts=32"]))},
@@ -89,6 +94,10 @@ CLAIMS = [
      "ceiling", ["stale_dapo_no_high_clip", "stale_dapo"]),
     ("DAPO's lower clip: a mechanism here, no claim of the paper's", "DAPO keeps eps_low 0.2 (Sec. 3.2)", "ceiling",
      ["stale_dapo", "stale_dapo_no_low_clip"]),
+    ("DPPO above CISPO, lag 8 (a trust region on |pi - pi_gen| keeps DAPO's stability)",
+     "DPPO, arXiv 2602.04879: CISPO drifts and collapses as the gap grows", "ceiling", ["stale_dppo", "stale_cispo"]),
+    ("CISPO with MIS above CISPO, lag 8", "masked importance sampling corrects the gap itself", "ceiling",
+     ["stale_cispo_mis", "stale_cispo"]),
     # a 64-72 token budget that every level fits: the ceiling is set by learning, not by the task
     ("CISPO above DAPO, budget-free", "Sec. 3.2, Fig. 5a", "ceiling", ["long_scalerl", "long_dapo"]),
     ("GSPO above DAPO, budget-free", "Sec. 3.2, Fig. 5a", "ceiling", ["long_gspo", "long_dapo"]),
@@ -101,13 +110,14 @@ FIGURES = {"precision": ["bf16_fp32_head", "bf16_bf16_head"], "loss": ["scalerl"
            "off_policy_2proc": ["pipeline_2proc", "ppo_2proc"], "noise": ["scalerl"],
            "stale_loss": ["stale_cispo", "stale_dapo", "stale_gspo"],
            "stale_clips": ["stale_dapo", "stale_dapo_no_low_clip", "stale_dapo_no_high_clip"],
+           "stale_2026": ["stale_cispo", "stale_dapo", "stale_dppo", "stale_cispo_mis"],
            "stale_loss_lr5e-5": ["stale_cispo_lr5e-5", "stale_dapo_lr5e-5", "stale_gspo_lr5e-5"],
            "long_loss": ["long_scalerl", "long_dapo", "long_gspo"], "long_batch": ["long_scalerl", "long_batch_32"]}
 NOISE = sigmoid_fit.NOISE_MARGIN  # the paper's margin on A (0.02)
 # step metrics averaged over the second half of a run (docs/metrics.md): the trust region's mechanism at work; and
 # over the first EARLY steps (`<metric>_early`), where the collapses happen
 MECHANISM = ("logratio_sd", "dapo_clip_low", "dapo_clip_high", "dapo_grad_low", "dapo_grad_high", "fresh_mismatch",
-             "grad_norm", "lag_mean", "clip_frac")
+             "grad_norm", "lag_mean", "clip_frac", "seq_ess")
 EARLY = 100
 
 
@@ -340,15 +350,17 @@ def variants_table(stats):
                      f"{s['pred_last3_mean']:+.3f} | {s['mismatch_kl']:+.1e} | {s['trunc_rate']:.3f} |")
     mech = [v for v, s in stats.items() if not np.isnan(s["logratio_sd"])]
     share = lambda x: "n/a" if np.isnan(x) else f"{x:.4f}"  # noqa: E731  (runs logged before the gradient weight)
-    for when, sfx in (("the second half of each run's steps", ""), (f"steps 1-{EARLY}, where collapses happen", "_early")):
+    for when, sfx in (("the second half of each run's steps", ""),
+                      (f"steps 1-{EARLY}, where collapses happen", "_early")):
         lines += ["", f"The mechanism, over {when} (means over seeds; docs/metrics.md):", "",
-                  "| variant | lag | sd log(pi_train / pi_gen) | DAPO's rule would clip: below / above | their gradient "
-                  "weight: below / above | the loss clips | mismatch on fresh tokens | gradient norm |",
+                  "| variant | lag | sd log(pi_train / pi_gen) | DAPO's rule would clip: below / above | "
+                  "their gradient weight: below / above | the loss clips | mismatch on fresh tokens | gradient norm |",
                   "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {v} | {m['lag_mean' + sfx]:.1f} | {m['logratio_sd' + sfx]:.3f} | {m['dapo_clip_low' + sfx]:.4f} / "
-                  f"{m['dapo_clip_high' + sfx]:.4f} | {share(m['dapo_grad_low' + sfx])} / "
-                  f"{share(m['dapo_grad_high' + sfx])} | {m['clip_frac' + sfx]:.4f} | {m['fresh_mismatch' + sfx]:.1e} | "
-                  f"{m['grad_norm' + sfx]:.3f} |" for v in mech if not np.isnan((m := stats[v])["logratio_sd" + sfx])]
+        lines += [f"| {v} | {m['lag_mean' + sfx]:.1f} | {m['logratio_sd' + sfx]:.3f} | "
+                  f"{m['dapo_clip_low' + sfx]:.4f} / {m['dapo_clip_high' + sfx]:.4f} | "
+                  f"{share(m['dapo_grad_low' + sfx])} / {share(m['dapo_grad_high' + sfx])} | "
+                  f"{m['clip_frac' + sfx]:.4f} | {m['fresh_mismatch' + sfx]:.1e} | {m['grad_norm' + sfx]:.3f} |"
+                  for v in mech if not np.isnan((m := stats[v])["logratio_sd" + sfx])]
     return lines + [f"Not fitted: {run}: {why}." for s in stats.values() for run, why in s["unfitted"]]
 
 

@@ -184,6 +184,9 @@ def test_a_step_logs_the_mechanism_its_trust_region_acts_on():
     gw = (rho * a * w).abs()
     assert stats["dapo_grad_low"] == pytest.approx((gw[(a < 0) & (rho < 0.8)].sum() / gw.sum()).item(), rel=1e-5)
     assert stats["dapo_grad_high"] == pytest.approx((gw[(a > 0) & (rho > 1.28)].sum() / gw.sum()).item(), rel=1e-5)
+    # the effective sample size over sequences, w the sequence ratio exp(mean log ratio over its loss tokens)
+    seq_w = (torch.where(tmask.bool(), gap, 0).sum(1) / tmask.sum(1)).exp()
+    assert stats["seq_ess"] == pytest.approx((seq_w.sum() ** 2 / (len(seq_w) * seq_w.square().sum())).item(), rel=1e-5)
     # the norm before clipping, as the same batch on the same initial weights gives it
     one = parity_step(trainer.Policy(trainer.tiny_model(cfg, VOCAB), 1.0, torch.float32), cfg, groups)
     assert stats["grad_norm"] == pytest.approx(float(one["gnorm"]), rel=1e-5) and stats["grad_norm"] > cfg.grad_clip
