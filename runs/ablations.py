@@ -16,6 +16,7 @@ at a time after the others, and fitted against device_hours (wall time x 2 ranks
 generator that never idles shows).
 """
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -24,6 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from scipy.stats import norm as stats_norm
 from scipy.stats import t as stats_t
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -260,6 +262,7 @@ def summarize(curves):
         every = [c for c in curves if c["variant"] == v]
         settled = np.array([plateau(c["R"]) for c in every], dtype=float)
         stats[v] = dict(runs=runs, n=len(runs), unfitted=unfitted.get(v, []), A_sd=sd(get("A")), B_sd=sd(get("B")),
+                        curves=every,
                         C_mid_mean=float(np.exp(np.log(get("C_mid")).mean())) if runs else float("nan"),
                         **{f"{k}_mean": mean(get(k)) for k in ("A", "B", "band", "reach", "pred_final", "pred_last3")},
                         final_mean=mean(np.array([r["R"][-1] for r in runs])), plateau_n=len(every),
@@ -289,6 +292,149 @@ def verdict(kind, a, b, key=None):
         word = ("seen, the paper's direction" if d > margin else "opposite to the paper" if d < -margin
                 else "not separated (within the noise)")
     return d, margin, word
+
+
+# ----------------------------------------------------------------------------- verdicts by a stated test
+ALPHA, POWER = 0.05, 0.8  # two-sided tests at 5%; seeds to decide: 80% power at the observed gap
+MATCH = 1.1  # compute differs when one variant's mean final compute exceeds the other's by more than 10%
+
+
+def permutation_p(x, y):
+    """Exact two-sided permutation test of mean(x) - mean(y): the share of all splits of the pooled seeds into groups
+    of len(x) and len(y) whose |difference of means| reaches the observed one. With 3 vs 3 seeds there are 20 splits,
+    and the observed one and its mirror image always count: p >= 0.10, never below 0.05."""
+    pooled, n = np.concatenate([x, y]), len(x)
+    obs = abs(np.mean(x) - np.mean(y))
+    diffs = [abs(pooled[list(i)].mean() - np.delete(pooled, list(i)).mean())
+             for i in itertools.combinations(range(len(pooled)), n)]
+    return float(np.mean(np.array(diffs) >= obs - 1e-12))
+
+
+def seeds_needed(d, sd, equivalence):
+    """Seeds per side for 80% power (normal approximation), at least the 4 a side with which an exact permutation
+    test can reach p < 0.05: to show a gap d two-sided at 5%, or (equivalence) to pass TOST at +-0.02 when the true
+    gap is d. None: no number of seeds would (an equivalence test on a gap of 0.02 or more)."""
+    gap = NOISE - abs(d) if equivalence else abs(d)
+    z = stats_norm.ppf(1 - ALPHA) + stats_norm.ppf(1 - (1 - POWER) / 2) if equivalence else \
+        stats_norm.ppf(1 - ALPHA / 2) + stats_norm.ppf(POWER)
+    return max(4, int(np.ceil(2 * (z * sd / gap) ** 2))) if gap > 0 else None
+
+
+def compare(x, y, floor=0.0, margin=NOISE):
+    """mean(x) - mean(y) over seeds, judged by the stated rule: separated (two-sided Welch AND exact permutation test
+    at p < 0.05), else equivalent (TOST at +-margin passes at 5%; margin 0: no equivalence test), else undecided with
+    the seeds that would decide. Each side's standard deviation is at least `floor` (the evaluation noise)."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    d = float(x.mean() - y.mean()) if len(x) and len(y) else float("nan")
+    out = dict(d=d, n=(len(x), len(y)), p_welch=float("nan"), p_perm=float("nan"), p_tost=float("nan"), floor=floor)
+    if min(len(x), len(y)) < 2:
+        return dict(out, outcome="undecided", seeds=None)
+    vx, vy = (max(float(np.var(v, ddof=1)), floor ** 2) / len(v) for v in (x, y))
+    se = max(float(np.sqrt(vx + vy)), 1e-12)  # equal seeds and no floor: any gap is beyond their (zero) spread
+    df = (vx + vy) ** 2 / max(vx ** 2 / (len(x) - 1) + vy ** 2 / (len(y) - 1), 1e-300) if vx + vy else 1.0
+    out.update(p_welch=float(2 * stats_t.sf(abs(d) / se, df)), p_perm=permutation_p(x, y))
+    if margin:  # two one-sided tests: the gap is above -margin, and below +margin
+        out["p_tost"] = float(max(stats_t.sf((d + margin) / se, df), stats_t.cdf((d - margin) / se, df)))
+    if out["p_welch"] < ALPHA and out["p_perm"] < ALPHA:
+        return dict(out, outcome="separated", seeds=None)
+    if out["p_tost"] < ALPHA:
+        return dict(out, outcome="equivalent", seeds=None)
+    sd = float(np.sqrt((vx * len(x) + vy * len(y)) / 2))  # the sides' (floored) spreads pooled
+    return dict(out, outcome="undecided", seeds=seeds_needed(d, sd, equivalence=bool(margin) and abs(d) < margin / 2))
+
+
+def word(kind, t):
+    """A comparison's outcome in the claim's terms: for a ceiling (or B) claim, the first above the second is shown,
+    below it reversed; for an efficiency-only claim, the same A is shown and a moved one reversed."""
+    if t["outcome"] == "undecided":
+        return ("undecided: fewer than 2 seeds a side" if min(t["n"]) < 2 else
+                f"undecided: {t['seeds']} seeds a side would decide" if t["seeds"] else
+                "undecided: no seed count decides a gap this size at +-0.02")
+    if kind == "efficiency":
+        return "shown (A the same)" if t["outcome"] == "equivalent" else f"reversed (moved {t['d']:+.3f})"
+    return "not separated" if t["outcome"] == "equivalent" else "shown" if t["d"] > 0 else "reversed"
+
+
+def unidentified(r):
+    """Why a run's fit does not identify A ('' if it does): A's 90% band wider than 0.05 or touching 1, B at a bound
+    of its search, a window under 3 x C_mid, or A above the task's bound (data.feasible_share)."""
+    f, why = r["fit"], []
+    if f.A_ci[1] - f.A_ci[0] > 0.05:
+        why.append(f"A's band {f.A_ci[1] - f.A_ci[0]:.3f} > 0.05")
+    if f.A_ci[1] >= 0.999:
+        why.append("A's band touches 1")
+    if min(abs(np.log(f.B / b)) for b in sigmoid_fit.B_BOUNDS) < 0.01:
+        why.append(f"B {f.B:.2f} at its bound")
+    if r["reach"] < 3:
+        why.append(f"window {r['reach']:.1f} x C_mid < 3")
+    if f.A > r.get("bound", 1.0):
+        why.append(f"A {f.A:.3f} above the task's bound {r['bound']:.3f}")
+    return ", ".join(why)
+
+
+def noise_floor(a, b):
+    """The evaluation noise under a seed's spread of a mean over the later half of the evaluations: R0 is one set of
+    weights evaluated under each seed's draws, so its spread over seeds is one evaluation's noise; a mean over k
+    evaluations has 1/sqrt(k) of it. (Used for A too: A rests on the same evaluations.)"""
+    r0 = {c["seed"]: c["R0"] for v in (a, b) for c in v["curves"]}
+    k = min(len(c["R"]) - len(c["R"]) // 2 for v in (a, b) for c in v["curves"])
+    return float(np.std(list(r0.values()), ddof=1) / np.sqrt(k)) if len(r0) > 1 else 0.0
+
+
+def plateaus(a, b):
+    """Each run's plateau, compute-matched where the two variants' compute differs (by more than MATCH): R
+    interpolated over the later half of the cheaper variant's mean final compute. Returns (xs, ys, C or None)."""
+    ends = [np.mean([c["C"][-1] for c in v["curves"]]) for v in (a, b)]
+    if max(ends) <= MATCH * min(ends):
+        return [plateau(c["R"]) for c in a["curves"]], [plateau(c["R"]) for c in b["curves"]], None
+    grid = np.linspace(min(ends) / 2, min(ends), 16)
+    at = lambda v: [float(np.mean(np.interp(grid, c["C"], c["R"]))) for c in v["curves"]]  # noqa: E731
+    return at(a), at(b), float(min(ends))
+
+
+def judged(stats):
+    """Per claim, the tests on A (identified fits only) and on the plateau (compute-matched where compute differs):
+    [(claim, kind, x, y, measure, comparison or None, note)]."""
+    out = []
+    for claim, _, kind, (x, y) in CLAIMS:
+        if not (stats.get(x, {}).get("curves") and stats.get(y, {}).get("curves")):
+            continue
+        a, b = stats[x], stats[y]
+        floor, key = noise_floor(a, b), "B" if kind == "B" else "A"
+        bad = [f"{run_name(r['variant'], r['seed'])} ({why})" for v in (a, b) for r in v["runs"]
+               if (why := unidentified(r))] + [f"{run} (not fitted)" for v in (a, b) for run, _ in v["unfitted"]]
+        vals = [[getattr(r["fit"], key) for r in v["runs"]] for v in (a, b)]
+        if kind == "B" or not bad:
+            out.append((claim, kind, x, y, key, compare(*vals, 0.0 if kind == "B" else floor,
+                                                         0.0 if kind == "B" else NOISE), ""))
+        else:
+            out.append((claim, kind, x, y, key, None, "not identified: " + "; ".join(bad)))
+        if kind != "B":
+            xs, ys, c = plateaus(a, b)
+            out.append((claim, kind, x, y, "plateau", compare(xs, ys, floor),
+                        f"compute-matched at {c:.3g} {compute_key(x)}" if c else ""))
+    return out
+
+
+def spread(name, xs):
+    """'name mean ± sd (n)' over seeds."""
+    return f"{name} {np.mean(xs):.3f} ± {np.std(xs, ddof=1) if len(xs) > 1 else float('nan'):.3f} ({len(xs)})"
+
+
+def tests_table(stats):
+    """The verdicts by the stated test: each claim's test on A and on the plateau, both p's and the seeds."""
+    lines = ["| claim | measure | first: mean ± sd (seeds) | second | difference | Welch p | permutation p | "
+             "TOST p (±0.02) | noise floor | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for claim, kind, x, y, key, t, note in judged(stats):
+        if t is None:
+            lines.append(f"| {claim} | {key} | {x} | {y} | | | | | | no verdict on {key}: {note} |")
+            continue
+        xs, ys = ([getattr(r["fit"], key) for r in stats[v]["runs"]] for v in (x, y)) if key != "plateau" else \
+            plateaus(stats[x], stats[y])[:2]
+        lines.append(f"| {claim} | {key}{f' ({note})' if note else ''} | {spread(x, xs)} | {spread(y, ys)} | "
+                     f"{t['d']:+.3f} | {t['p_welch']:.3f} | {t['p_perm']:.3f} | {t['p_tost']:.3f} | "
+                     f"{t['floor']:.4f} | {word(kind, t)} |")
+    return lines
 
 
 def claims(stats):
@@ -410,7 +556,13 @@ def report(out, seeds=SEEDS, keep=None):
              "2-process runs: device_hours)", "", "Regenerate: `python runs/ablations.py` (finished runs are skipped).",
              ""] + ([f"Warning: the runs have different lengths ({', '.join(map(str, lengths))} steps); compare runs "
                      "of one length.", ""] if len(lengths) > 1 else []) + [
-             "## Fit for purpose", "", *checks(stats), "", "## Claims", "", *claims(stats), "", "## Variants", "",
+             "## Fit for purpose", "", *checks(stats), "", "## Verdicts by a stated test", "",
+             "Shown / reversed: a two-sided Welch test and an exact permutation test over seeds both at p < 0.05; not "
+             "separated: TOST at ±0.02 passes at 5%; else undecided, with the seeds a side for 80% power at the "
+             "observed gap. A only from identified fits; each spread at least the evaluation noise (R0's spread over "
+             "seeds / sqrt(evaluations averaged)).", "", *tests_table(stats), "",
+             "## Claims (the earlier rule: the gap against 0.02 and a Welch t-interval)", "", *claims(stats), "",
+             "## Variants", "",
              *variants_table(stats), ""]
     for name, names in FIGURES.items():
         if any(stats.get(v, {}).get("n") for v in names):
