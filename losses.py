@@ -12,6 +12,8 @@ REINFORCE minimises `-r * log pi(y_t)` on samples from the current policy. Each 
 6. Aggregation (Sec. 3.2): prompt average (ScaleRL: each prompt counts once), sample (GRPO) or token average (DAPO).
 7. FP32 head (Sec. 3.2, Fig. 5b): float32 logits on both generator (`head_logits`) and trainer (`head_logprobs`),
    logprobs after the sampling temperature; it lifted the asymptote from 0.52 to 0.61 by removing a ratio bias.
+8. Beyond the paper (off by default; docs/metrics.md): DPPO's mask on |pi - pi_gen| (arXiv 2602.04879) in place of a
+   ratio clip, and importance corrections of any loss: token-level TIS, sequence-level MIS.
 
 ScaleRL = CISPO + prompt aggregation + batch advantage normalisation + zero-variance filtering + NPR + FP32 head.
 Filtering and No-Positive-Resampling (NPR) act on prompts (pipeline_rl.py): pass only the kept groups here.
