@@ -351,7 +351,7 @@ def word(kind, t):
                 f"undecided: {t['seeds']} seeds a side would decide" if t["seeds"] else
                 "undecided: no seed count decides a gap this size at +-0.02")
     if kind == "efficiency":
-        return "shown (A the same)" if t["outcome"] == "equivalent" else f"reversed (moved {t['d']:+.3f})"
+        return "shown (the same within ±0.02)" if t["outcome"] == "equivalent" else f"reversed (moved {t['d']:+.3f})"
     return "not separated" if t["outcome"] == "equivalent" else "shown" if t["d"] > 0 else "reversed"
 
 

@@ -119,7 +119,7 @@ def test_the_stated_tests_on_seed_samples_with_known_answers():
     same = rng.normal(0.6, 0.005, 10)
     eq = ablations.compare(same[:5], same[5:])
     assert eq["outcome"] == "equivalent" and eq["p_tost"] < 0.05 and ablations.word("ceiling", eq) == "not separated"
-    assert ablations.word("efficiency", eq) == "shown (A the same)"
+    assert ablations.word("efficiency", eq) == "shown (the same within ±0.02)"
     far = ablations.compare(same[:5] + 0.1, same[5:])
     assert far["outcome"] == "separated" and ablations.word("ceiling", far) == "shown"
     assert ablations.word("ceiling", ablations.compare(same[5:], same[:5] + 0.1)) == "reversed"
