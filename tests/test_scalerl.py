@@ -34,7 +34,7 @@ from conftest import (TIMING, copy_run, one_line_error, read_jsonl, refused, run
 
 METRIC_NAMES = {"step", "device_hours", "policy_version", "reward", "loss", "clip_frac", "mismatch_kl", "lag_mean",
                 "lag_max", "dropped_stale", "trunc_rate", "zero_var_frac", "npr_removed", "gen_tok_s", "train_tok_s",
-                "dt", "logratio_sd", "dapo_clip_low", "dapo_clip_high", "grad_norm"}
+                "dt", "logratio_sd", "dapo_clip_low", "dapo_clip_high", "dapo_grad_low", "dapo_grad_high", "grad_norm"}
 
 # ---------------------------------------------------------------------------------------------------------------------
 # 1. Config parsing (in-process)
