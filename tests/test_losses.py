@@ -418,6 +418,10 @@ def test_importance_corrections_hand_computed():
     torch.testing.assert_close(mis, aggregate(base * torch.tensor([[1.0], [0.0]], dtype=f64), mask, group))
     mis3, _ = policy_loss(logp, gen_logp, adv, mask, w, is_correction="mis", is_cap=3.0)
     torch.testing.assert_close(mis3, aggregate(base, mask, group))
+    inv = (gen_logp - rho.log()).requires_grad_()  # ratios 1/rho: geometric means 0.737 (kept), 0.397 < 1/2 (dropped)
+    mis_inv, _ = policy_loss(inv, gen_logp, adv, mask, w, is_correction="mis", is_cap=2.0)
+    torch.testing.assert_close(mis_inv, aggregate(cispo(inv, gen_logp, adv) * torch.tensor([[1.0], [0.0]], dtype=f64),
+                                                  mask, group))
     s = torch.tensor([2.5 ** (1 / 3), 16 ** (1 / 3)], dtype=f64)
     assert (d["seq_w"], d["seq_w2"], d["n_seqs"]) == (pytest.approx(s.sum().item()), pytest.approx(s.square().sum()
                                                                                                    .item()), 2)
