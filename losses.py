@@ -12,10 +12,14 @@ REINFORCE minimises `-r * log pi(y_t)` on samples from the current policy. Each 
 6. Aggregation (Sec. 3.2): prompt average (ScaleRL: each prompt counts once), sample (GRPO) or token average (DAPO).
 7. FP32 head (Sec. 3.2, Fig. 5b): float32 logits on both generator (`head_logits`) and trainer (`head_logprobs`),
    logprobs after the sampling temperature; it lifted the asymptote from 0.52 to 0.61 by removing a ratio bias.
+8. Beyond the paper (off by default; docs/metrics.md): DPPO's mask on |pi - pi_gen| (arXiv 2602.04879) in place of a
+   ratio clip, and importance corrections of any loss: token-level TIS, sequence-level MIS.
 
 ScaleRL = CISPO + prompt aggregation + batch advantage normalisation + zero-variance filtering + NPR + FP32 head.
 Filtering and No-Positive-Resampling (NPR) act on prompts (pipeline_rl.py): pass only the kept groups here.
 """
+import math
+
 import torch
 
 
@@ -75,6 +79,24 @@ def gspo(logp, gen_logp, adv, mask, eps_low=3e-3, eps_high=5e-3):
     return ppo_clip(log_s[:, None] + logp, logp.detach(), adv, eps_low, eps_high)
 
 
+def dppo(logp, gen_logp, adv, eps_low=0.15, eps_high=0.15):
+    """DPPO-Binary-TV (arXiv 2602.04879), (B, T): -sg(rho) * A * logp, masked where the sampled token's probability
+    moved from the generator's by more than the threshold the way A pushes (pi - pi_gen > eps_high with A > 0, below
+    -eps_low with A < 0): a trust region on the binary total variation |pi - pi_gen|, not on the ratio."""
+    rho, a = torch.exp(logp - gen_logp).detach(), _per_token(adv, logp)
+    shift = (logp.exp() - gen_logp.exp()).detach()
+    return -torch.where(torch.where(a > 0, shift <= eps_high, shift >= -eps_low), rho * a * logp, 0.0)
+
+
+def is_weights(logp, gen_logp, mask, how, cap):
+    """(B, T) constant multipliers of each token's term against the generator-trainer gap, rho = pi_train / pi_gen:
+    TIS min(rho, cap) per token; MIS 0 for a whole sequence whose geometric-mean ratio is outside [1/cap, cap]."""
+    if how == "tis":
+        return torch.exp(logp - gen_logp).detach().clamp(max=cap)
+    log_s = _seq_log_ratio(logp.detach(), gen_logp, mask)  # (B,)
+    return (log_s.abs() <= math.log(cap)).to(logp.dtype)[:, None].expand_as(logp)
+
+
 # ----------------------------------------------------------------------------- aggregation (Sec. 3.2)
 def aggregation_weights(mask, group, how="prompt", dtype=None):
     """(B, T) weights w with aggregate = (per_token * w).sum(); sliced to micro-batches, the sums add up to the full
@@ -99,28 +121,41 @@ def aggregate(per_token, mask, group, how="prompt"):
 
 # ----------------------------------------------------------------------------- registry and entry point
 # name -> the paper's options for that loss (Sec. 3.2, items 3-5 above; GSPO's own 3e-4 / 4e-4 failed there)
+# dppo: the TV threshold 0.15 on both sides, as the paper's public recipe runs it (docs/metrics.md)
 DEFAULTS = {"cispo": dict(eps_max=4.0), "dapo": dict(eps_low=0.2, eps_high=0.28),
-            "grpo": dict(eps_low=0.2, eps_high=0.2), "gspo": dict(eps_low=3e-3, eps_high=5e-3)}
-LOSSES = {"cispo": cispo, "dapo": ppo_clip, "grpo": ppo_clip, "gspo": gspo}  # (B, T) losses; gspo takes the mask too
+            "grpo": dict(eps_low=0.2, eps_high=0.2), "gspo": dict(eps_low=3e-3, eps_high=5e-3),
+            "dppo": dict(eps_low=0.15, eps_high=0.15)}
+LOSSES = {"cispo": cispo, "dapo": ppo_clip, "grpo": ppo_clip, "gspo": gspo, "dppo": dppo}  # gspo takes the mask too
+IS_CORRECTIONS = ("none", "tis", "mis")  # is_weights
 # policy_loss's token means, whatever the loss (docs/metrics.md)
 DIAGNOSTICS = ("clip_frac", "ratio_mean", "ratio_max", "mismatch_kl", "logratio_sq", "dapo_clip_low", "dapo_clip_high")
+# policy_loss's sums (whole-batch weights: micro-batches and ranks add up): |rho A w| of the tokens DAPO's rule
+# would clip, by side, and of every loss token (the trainer logs each side's share, docs/metrics.md)
+# and the batch's sequence ratios w (geometric means): sum w, sum w^2, count, for the effective sample size
+SUMS = ("dapo_weight_low", "dapo_weight_high", "weight_total", "seq_w", "seq_w2", "n_seqs")
 
 
-def policy_loss(logp, gen_logp, adv, mask, weights, loss="cispo", **kw):
-    """(scalar loss, diagnostics); `weights`: aggregation_weights of the whole batch, sliced; kw overrides DEFAULTS."""
+def policy_loss(logp, gen_logp, adv, mask, weights, loss="cispo", is_correction="none", is_cap=2.0, **kw):
+    """(scalar loss, diagnostics); `weights`: aggregation_weights of the whole batch, sliced; kw overrides DEFAULTS;
+    is_correction (tis, mis) multiplies each token's term by is_weights."""
     assert loss in LOSSES, loss
     assert set(kw) <= set(DEFAULTS[loss]), f"loss {loss!r} takes options {sorted(DEFAULTS[loss])}; got {sorted(kw)}"
     fn, opts = LOSSES[loss], {**DEFAULTS[loss], **kw}
     assert logp.shape == gen_logp.shape == mask.shape == weights.shape and logp.dim() == 2, (logp.shape, mask.shape)
     m = mask.bool()
     per_token = fn(logp, gen_logp, adv, mask, **opts) if loss == "gspo" else fn(logp, gen_logp, adv, **opts)
+    if is_correction != "none":
+        per_token = per_token * is_weights(logp, gen_logp, mask, is_correction, is_cap)
     total = torch.where(m, per_token * weights, torch.zeros_like(per_token)).sum()
     n = int(m.sum())
     if n == 0:
-        return total, dict.fromkeys(DIAGNOSTICS, 0.0) | dict(n_tokens=0)
+        return total, dict.fromkeys(DIAGNOSTICS + SUMS, 0.0) | dict(n_tokens=0)
     with torch.no_grad():
         rho, a = torch.exp(logp - gen_logp), _per_token(adv, logp).expand_as(logp)  # (B, T) token ratios, advantages
-        if "eps_high" not in opts:  # truncated (CISPO, or a loss without PPO's clip): the weight was capped
+        if loss == "dppo":  # masked: moved past the TV threshold the way A pushes
+            shift = logp.exp() - gen_logp.exp()
+            clipped = ((a > 0) & (shift > opts["eps_high"])) | ((a < 0) & (shift < -opts["eps_low"]))
+        elif "eps_high" not in opts:  # truncated (CISPO, or a loss without PPO's clip): the weight was capped
             clipped = rho > opts.get("eps_max", float("inf"))
         else:  # the clipped branch is the minimum: this token's gradient is zero
             r = rho if loss != "gspo" else torch.exp(_seq_log_ratio(logp, gen_logp, mask))[:, None].expand_as(rho)
@@ -129,10 +164,14 @@ def policy_loss(logp, gen_logp, adv, mask, weights, loss="cispo", **kw):
         # KL(gen || train), logratio_sq is the mean square of log(pi_train / pi_gen)
         rho, a, lr, dapo = rho[m], a[m], (logp - gen_logp)[m], DEFAULTS["dapo"]
         low, high = (a < 0) & (rho < 1 - dapo["eps_low"]), (a > 0) & (rho > 1 + dapo["eps_high"])
+        gw = (rho * a * weights[m]).abs()  # each token's weight on grad log pi in the unclipped surrogate rho * A
+        w = torch.exp(_seq_log_ratio(logp, gen_logp, mask))[m.any(-1)]  # (sequences with loss tokens,)
         return total, dict(clip_frac=float(clipped[m].sum()) / n, ratio_mean=float(rho.mean()),
                            ratio_max=float(rho.max()), mismatch_kl=-float(lr.mean()),
                            logratio_sq=float(lr.square().mean()), dapo_clip_low=float(low.sum()) / n,
-                           dapo_clip_high=float(high.sum()) / n, n_tokens=n)
+                           dapo_clip_high=float(high.sum()) / n, dapo_weight_low=float(gw[low].sum()),
+                           dapo_weight_high=float(gw[high].sum()), weight_total=float(gw.sum()),
+                           seq_w=float(w.sum()), seq_w2=float(w.square().sum()), n_seqs=len(w), n_tokens=n)
 
 
 # ----------------------------------------------------------------------------- FP32-head logprobs (Sec. 3.2, Fig. 5b)

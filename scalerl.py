@@ -67,10 +67,12 @@ class Config:
     max_lag: int = 2                   # k: no trained token is more than k policy versions old
     decode_per_step: int = 12          # decode steps that overlap each optimizer step (generator/trainer speed ratio)
     # loss
-    loss: str = "cispo"                # cispo | dapo | grpo | gspo
+    loss: str = "cispo"                # cispo | dapo | grpo | gspo | dppo (DPPO-Binary-TV; docs/metrics.md)
     eps_max: float = 4.0               # CISPO truncation cap
-    eps_low: float = -1.0              # PPO/GSPO lower clip (-1: the loss's default: 0.2 dapo/grpo, 3e-3 gspo)
-    eps_high: float = -1.0             # PPO/GSPO upper clip (-1: default: 0.28 dapo, 0.2 grpo, 5e-3 gspo)
+    eps_low: float = -1.0              # PPO/GSPO lower clip (-1: the loss's default: 0.2 dapo/grpo, 3e-3 gspo),
+    eps_high: float = -1.0             # upper clip (-1: 0.28 dapo, 0.2 grpo, 5e-3 gspo); dppo: TV thresholds, 0.15
+    is_correction: str = "none"        # none | tis (token: x min(rho, C)) | mis (drop a sequence: ratio off [1/C, C])
+    is_cap: float = 2.0                # C of --is_correction (rho = pi_train / pi_gen)
     agg: str = "prompt"                # prompt | sample | token aggregation
     adv_norm: str = "batch"            # batch | prompt | none advantage normalisation
     zero_var_filter: bool = True       # drop zero-variance groups from the loss

@@ -115,7 +115,7 @@ def policy_gradient(policy, samples, adv, cfg, rank=0, world=1, version=-1):
     plans = [micro_batches(order[r::world], lengths, cfg.micro_batch_tokens) for r in range(world)]
     policy.train()
     total, ratio_max, means = 0.0, 0.0, [k for k in losses.DIAGNOSTICS if k != "ratio_max"]
-    sums = dict.fromkeys(("n_tokens", "fresh_tokens", "fresh_gap", *means), 0.0)
+    sums = dict.fromkeys(("n_tokens", "fresh_tokens", "fresh_gap", *losses.SUMS, *means), 0.0)
     n = max(map(len, plans))
     for i in range(n):
         if getattr(policy, "defer_sync", False):  # FSDP2 reduce-scatters after the last pass only (infra.plan)
@@ -130,7 +130,8 @@ def policy_gradient(policy, samples, adv, cfg, rank=0, world=1, version=-1):
         # the loss tokens sampled by these very weights: their mismatch is the kernels' (and an older KV cache's)
         gen, w, f, a = (t.to(dev) for t in (gen_logp[mb, :L - 1], weights[mb, :L - 1],
                                             (versions[mb, :L - 1] == version) & tmask[mb, :L - 1], adv[mb]))
-        loss, diag = losses.policy_loss(logp, gen, a, tmask[mb, :L - 1].to(dev).float(), w, loss=cfg.loss, **opts)
+        loss, diag = losses.policy_loss(logp, gen, a, tmask[mb, :L - 1].to(dev).float(), w, loss=cfg.loss,
+                                        is_correction=cfg.is_correction, is_cap=cfg.is_cap, **opts)
         loss.backward()
         total += loss.item()
         diag |= dict(fresh_tokens=int(f.sum()), fresh_gap=float(torch.where(f, (logp.detach() - gen).abs(), 0).sum()))
@@ -142,7 +143,7 @@ def policy_gradient(policy, samples, adv, cfg, rank=0, world=1, version=-1):
 
 # train_step's metrics beside loss, n_tokens, finite and lr (docs/metrics.md)
 METRICS = ("clip_frac", "ratio_mean", "ratio_max", "mismatch_kl", "logratio_sd", "dapo_clip_low", "dapo_clip_high",
-           "fresh_mismatch", "grad_norm")
+           "dapo_grad_low", "dapo_grad_high", "seq_ess", "fresh_mismatch", "grad_norm")
 
 
 def train_step(policy, opt, groups, cfg, step, comm=None):
@@ -157,7 +158,7 @@ def train_step(policy, opt, groups, cfg, step, comm=None):
     # every group zero-variance: no signal, no update (AdamW's weight decay alone would still move the weights)
     if not adv.any():
         return dict(dict.fromkeys(METRICS, 0.0), loss=0.0, ratio_mean=1.0, ratio_max=1.0, fresh_mismatch=None,
-                    n_tokens=0, finite=True, lr=lr)
+                    seq_ess=None, n_tokens=0, finite=True, lr=lr)
     rank, world = (comm.rank, comm.size) if comm else (0, 1)
     with comm.guard("gradients") if comm else contextlib.nullcontext():
         loss, sums, ratio_max = policy_gradient(policy, samples, adv, cfg, rank, world, version=step)
@@ -175,6 +176,8 @@ def train_step(policy, opt, groups, cfg, step, comm=None):
     n = sums["n_tokens"] or 1
     out = {k: sums[k] / n for k in ("clip_frac", "ratio_mean", "mismatch_kl", "dapo_clip_low", "dapo_clip_high")}
     # the spread of log(pi_train / pi_gen): what the trust region (clip or cap) acts on; the norm before clipping
+    out |= {f"dapo_grad_{k}": sums[f"dapo_weight_{k}"] / (sums["weight_total"] or 1) for k in ("low", "high")}
+    out["seq_ess"] = sums["seq_w"] ** 2 / (sums["n_seqs"] * sums["seq_w2"] or 1)  # (sum w)^2 / (N sum w^2), w: s_i
     return dict(out, logratio_sd=max(sums["logratio_sq"] / n - out["mismatch_kl"] ** 2, 0.0) ** 0.5,
                 fresh_mismatch=sums["fresh_gap"] / sums["fresh_tokens"] if sums["fresh_tokens"] else None,
                 grad_norm=float(gnorm), loss=sums["loss"], ratio_max=maxes["ratio_max"], n_tokens=int(sums["n_tokens"]),

@@ -21,11 +21,12 @@ RESUMABLE = ("out_dir", "resume", "eval_only", "export", "max_steps", "eval_ever
 
 CHOICES = dict(dtype=("float32", "bfloat16"), engine=("torch", "vllm"), off_policy=("pipeline", "ppo"),
                tracker=("none", "tensorboard", "wandb"),
-               loss=tuple(losses.LOSSES), agg=("prompt", "sample", "token"), adv_norm=("batch", "prompt", "none"))
+               loss=tuple(losses.LOSSES), agg=("prompt", "sample", "token"), adv_norm=("batch", "prompt", "none"),
+               is_correction=losses.IS_CORRECTIONS)
 
 # the numeric options' ranges: what a valid value is -> (its test, the options); NaN fails every test
 BOUNDS = {"positive": (lambda v: v > 0, "max_steps eval_every eval_prompts eval_samples ckpt_every n_layer n_embd "
-                        "n_head n_train sft_batch batch_prompts group_size think_min answer_budget slots "
+                        "n_head n_train sft_batch batch_prompts group_size think_min answer_budget slots is_cap "
                         "micro_batch_tokens max_nonfinite max_prompt sync_bucket_mb lr temperature eps_max grad_clip"),
           ">= 0": (lambda v: v >= 0, "sft_steps warmup_steps decode_per_step threads gen_ranks dist_timeout"),
           ">= 0, or -1 for --seed's": (lambda v: v >= -1, "rl_seed"),

@@ -157,7 +157,8 @@ def test_fsdp2_two_trainer_ranks_match_one_process(tmp_path):
     assert two["sums"]["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
     assert two["sums"]["n_tokens"] == one["sums"]["n_tokens"] > 0
     assert two["sums"]["fresh_tokens"] == one["sums"]["fresh_tokens"] > 0
-    for k in ("clip_frac", "ratio_mean", "mismatch_kl", "logratio_sq", "dapo_clip_low", "dapo_clip_high", "fresh_gap"):
+    for k in ("clip_frac", "ratio_mean", "mismatch_kl", "logratio_sq", "dapo_clip_low", "dapo_clip_high", "fresh_gap",
+              *losses.SUMS):
         assert two["sums"][k] == pytest.approx(one["sums"][k], rel=1e-5, abs=1e-6)
     assert two["maxes"]["ratio_max"] == pytest.approx(one["ratio_max"], rel=1e-6)
     assert set(two["grads"]) == set(one["grads"])
@@ -211,6 +212,14 @@ def test_a_step_logs_the_mechanism_its_trust_region_acts_on():
     assert stats["dapo_clip_low"] == pytest.approx(((a < 0) & (rho < 0.8)).float().mean().item())
     assert stats["dapo_clip_high"] == pytest.approx(((a > 0) & (rho > 1.28)).float().mean().item())
     assert stats["dapo_clip_low"] + stats["dapo_clip_high"] > 0
+    # their share of the step's gradient weight |rho A w| (w: the whole batch's aggregation weights)
+    w = losses.aggregation_weights(tmask, torch.tensor([s.group for s in samples]))[m]
+    gw = (rho * a * w).abs()
+    assert stats["dapo_grad_low"] == pytest.approx((gw[(a < 0) & (rho < 0.8)].sum() / gw.sum()).item(), rel=1e-5)
+    assert stats["dapo_grad_high"] == pytest.approx((gw[(a > 0) & (rho > 1.28)].sum() / gw.sum()).item(), rel=1e-5)
+    # the effective sample size over sequences, w the sequence ratio exp(mean log ratio over its loss tokens)
+    seq_w = (torch.where(tmask.bool(), gap, 0).sum(1) / tmask.sum(1)).exp()
+    assert stats["seq_ess"] == pytest.approx((seq_w.sum() ** 2 / (len(seq_w) * seq_w.square().sum())).item(), rel=1e-5)
     # the norm before clipping, as the same batch on the same initial weights gives it
     one = parity_step(trainer.Policy(trainer.tiny_model(cfg, VOCAB), 1.0, torch.float32), cfg, groups)
     assert stats["grad_norm"] == pytest.approx(float(one["gnorm"]), rel=1e-5) and stats["grad_norm"] > cfg.grad_clip

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import losses
-from losses import (DEFAULTS, LOSSES, aggregate, aggregation_weights, cispo, group_advantages, gspo, policy_loss,
-                    ppo_clip, token_logprobs)
+from losses import (DEFAULTS, IS_CORRECTIONS, LOSSES, aggregate, aggregation_weights, cispo, dppo, group_advantages,
+                    gspo, policy_loss, ppo_clip, token_logprobs)
 
 f64 = torch.float64
 
@@ -290,16 +290,17 @@ def test_aggregate_vs_loops_value_and_gradient(how, seed):
 # ----------------------------------------------------------------------------- policy_loss and diagnostics
 
 
+@pytest.mark.parametrize("corr", IS_CORRECTIONS)
 @pytest.mark.parametrize("name", sorted(LOSSES))
-def test_micro_batches_with_sliced_weights_equal_full_batch(name):
+def test_micro_batches_with_sliced_weights_equal_full_batch(name, corr):
     logp, gen_logp, adv, mask, group = random_batch(5, B=6, T=7)
     w = aggregation_weights(mask, group, "prompt", dtype=f64)
-    full, _ = policy_loss(logp, gen_logp, adv, mask, w, loss=name)
+    full, _ = policy_loss(logp, gen_logp, adv, mask, w, loss=name, is_correction=corr)
     (g_full,) = torch.autograd.grad(full, logp)
     total, g_acc = 0.0, torch.zeros_like(logp)
     for sl in (slice(0, 1), slice(1, 4), slice(4, 6)):  # micro-batches that split prompts
         lp = logp.detach()[sl].clone().requires_grad_()
-        part, _ = policy_loss(lp, gen_logp[sl], adv[sl], mask[sl], w[sl], loss=name)
+        part, _ = policy_loss(lp, gen_logp[sl], adv[sl], mask[sl], w[sl], loss=name, is_correction=corr)
         part.backward()
         total, g_acc[sl] = total + part.item(), lp.grad
     assert total == pytest.approx(full.item(), rel=1e-12, abs=1e-15)
@@ -324,12 +325,14 @@ def test_policy_loss_matches_aggregate_and_paper_defaults():
     for name, fn in [("cispo", lambda: cispo(logp, gen_logp, adv)),
                      ("dapo", lambda: ppo_clip(logp, gen_logp, adv, 0.2, 0.28)),
                      ("grpo", lambda: ppo_clip(logp, gen_logp, adv, 0.2, 0.2)),
-                     ("gspo", lambda: gspo(logp, gen_logp, adv, mask))]:
+                     ("gspo", lambda: gspo(logp, gen_logp, adv, mask)),
+                     ("dppo", lambda: dppo(logp, gen_logp, adv, 0.15, 0.15))]:
         loss, diag = policy_loss(logp, gen_logp, adv, mask, w, loss=name)
         torch.testing.assert_close(loss, aggregate(fn(), mask, group, "sample"))
         assert diag["n_tokens"] == int(mask.sum())
     assert DEFAULTS == {"cispo": {"eps_max": 4.0}, "dapo": {"eps_low": 0.2, "eps_high": 0.28},
-                        "grpo": {"eps_low": 0.2, "eps_high": 0.2}, "gspo": {"eps_low": 3e-3, "eps_high": 5e-3}}
+                        "grpo": {"eps_low": 0.2, "eps_high": 0.2}, "gspo": {"eps_low": 3e-3, "eps_high": 5e-3},
+                        "dppo": {"eps_low": 0.15, "eps_high": 0.15}}
     a, _ = policy_loss(logp, gen_logp, adv, mask, w, eps_max=1.0)  # kw reaches the loss
     torch.testing.assert_close(a, aggregate(cispo(logp, gen_logp, adv, 1.0), mask, group, "sample"))
     with pytest.raises(AssertionError, match="ppo"):
@@ -354,6 +357,9 @@ def test_diagnostics_hand_computed():
     assert d["logratio_sq"] == pytest.approx(sum(math.log(x) ** 2 for x in (0.5, 1, 5, 1.5, 0.7, 1)) / 6)
     # what DAPO's rule would clip, whatever the loss: 5.0 above 1.28 with A>0, 0.7 below 0.8 with A<0
     assert d["dapo_clip_high"] == pytest.approx(1 / 6) and d["dapo_clip_low"] == pytest.approx(1 / 6)
+    # their gradient weight |rho A w| (w = 1/6 a token): 5.0 and 0.7 of the six tokens' 0.5+1+5+1.5+0.7+1 = 9.7
+    assert d["dapo_weight_high"] == pytest.approx(5 / 6) and d["dapo_weight_low"] == pytest.approx(0.7 / 6)
+    assert d["weight_total"] == pytest.approx(9.7 / 6)
     # DAPO: A>0 clips 5.0 (not 0.5); A<0 clips 0.7 (not 1.5): 2 of 6
     _, d = policy_loss(logp, gen_logp, adv, mask, w, loss="dapo")
     assert d["clip_frac"] == pytest.approx(2 / 6)
@@ -364,7 +370,61 @@ def test_diagnostics_hand_computed():
     assert d["clip_frac"] == pytest.approx(3 / 6) and d["dapo_clip_low"] == pytest.approx(1 / 6)
     _, d = policy_loss(logp, gen_logp, adv, mask & False, w, loss="gspo")
     assert d == {"clip_frac": 0.0, "ratio_mean": 0.0, "ratio_max": 0.0, "mismatch_kl": 0.0, "logratio_sq": 0.0,
-                 "dapo_clip_low": 0.0, "dapo_clip_high": 0.0, "n_tokens": 0}
+                 "dapo_clip_low": 0.0, "dapo_clip_high": 0.0, "dapo_weight_low": 0.0, "dapo_weight_high": 0.0,
+                 "weight_total": 0.0, "seq_w": 0.0, "seq_w2": 0.0, "n_seqs": 0.0, "n_tokens": 0}
+
+
+def test_dppo_hand_computed():
+    """DPPO-Binary-TV masks a token whose probability moved more than 0.15 from the generator's the way A pushes,
+    whatever its ratio: 0.1 -> 0.2 (ratio 2, which DAPO would clip) keeps its gradient, 0.5 -> 0.7 loses it."""
+    p_gen = torch.tensor([[0.5, 0.1, 0.9], [0.9, 0.5, 0.3]], dtype=f64)
+    p = torch.tensor([[0.7, 0.2, 0.95], [0.7, 0.45, 0.4]], dtype=f64)  # shifts +0.2 +0.1 +0.05 ; -0.2 -0.05 +0.1
+    logp, adv = p.log().requires_grad_(), torch.tensor([1.0, -1.0], dtype=f64)
+    per_token = dppo(logp, p_gen.log(), adv)
+    rho = torch.tensor([[1.4, 2.0, 0.95 / 0.9], [0.7 / 0.9, 0.9, 4 / 3]], dtype=f64)
+    keep = torch.tensor([[0, 1, 1], [0, 1, 1]], dtype=f64)
+    torch.testing.assert_close(per_token, -keep * rho * adv[:, None] * p.log())
+    per_token.sum().backward()
+    torch.testing.assert_close(logp.grad, -keep * rho * adv[:, None])  # the ratio is a constant weight
+    # A < 0 and a rise, A > 0 and a fall: never masked (the move is against A's push), however large
+    torch.testing.assert_close(dppo(torch.tensor([[0.9]], dtype=f64).log(), torch.tensor([[0.1]], dtype=f64).log(),
+                                    torch.tensor([-1.0], dtype=f64)), torch.tensor([[9 * math.log(0.9)]], dtype=f64))
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    _, d = policy_loss(logp, p_gen.log(), adv, mask, aggregation_weights(mask, torch.tensor([0, 1]), dtype=f64),
+                       loss="dppo")
+    assert d["clip_frac"] == pytest.approx(2 / 6)
+    _, d = policy_loss(logp, p_gen.log(), adv, mask, aggregation_weights(mask, torch.tensor([0, 1]), dtype=f64),
+                       loss="dppo", eps_low=0.25, eps_high=0.05)  # the sides' own thresholds
+    assert d["clip_frac"] == pytest.approx(2 / 6)  # +0.2 and +0.1 above 0.05; -0.2 within 0.25
+
+
+def test_importance_corrections_hand_computed():
+    """TIS: each token's term x sg(min(rho, C)); MIS: a sequence whose geometric-mean ratio is outside [1/C, C] drops
+    out whole. The effective sample size over sequences, (sum w)^2 / (N sum w^2), is logged either way."""
+    rho = torch.tensor([[0.5, 1.0, 5.0, 9.0], [4.0, 4.0, 1.0, 1.0]], dtype=f64)
+    gen_logp = torch.tensor([[-1.0, -2.0, -3.0, -1.0], [-2.0, -1.5, -0.5, -1.0]], dtype=f64)
+    logp = (gen_logp + rho.log()).requires_grad_()
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]], dtype=torch.bool)  # the 9.0 is padding
+    adv, group = torch.tensor([1.0, -1.0], dtype=f64), torch.tensor([0, 1])
+    w = aggregation_weights(mask, group, dtype=f64)  # 1/6 a token
+    base = cispo(logp, gen_logp, adv)  # -min(rho, 4) A logp
+    tis, d = policy_loss(logp, gen_logp, adv, mask, w, is_correction="tis", is_cap=2.0)
+    cap = torch.tensor([[0.5, 1.0, 2.0, 2.0], [2.0, 2.0, 1.0, 1.0]], dtype=f64)
+    torch.testing.assert_close(tis, aggregate(base * cap, mask, group))
+    (g,) = torch.autograd.grad(tis, logp)
+    torch.testing.assert_close(g, -rho.clamp(max=4) * cap * adv[:, None] * mask / 6)  # constant multipliers
+    # geometric means: (0.5 * 1 * 5)^(1/3) = 1.357 (kept), (4 * 4 * 1)^(1/3) = 2.52 (dropped at C = 2, kept at 3)
+    mis, _ = policy_loss(logp, gen_logp, adv, mask, w, is_correction="mis", is_cap=2.0)
+    torch.testing.assert_close(mis, aggregate(base * torch.tensor([[1.0], [0.0]], dtype=f64), mask, group))
+    mis3, _ = policy_loss(logp, gen_logp, adv, mask, w, is_correction="mis", is_cap=3.0)
+    torch.testing.assert_close(mis3, aggregate(base, mask, group))
+    inv = (gen_logp - rho.log()).requires_grad_()  # ratios 1/rho: geometric means 0.737 (kept), 0.397 < 1/2 (dropped)
+    mis_inv, _ = policy_loss(inv, gen_logp, adv, mask, w, is_correction="mis", is_cap=2.0)
+    torch.testing.assert_close(mis_inv, aggregate(cispo(inv, gen_logp, adv) * torch.tensor([[1.0], [0.0]], dtype=f64),
+                                                  mask, group))
+    s = torch.tensor([2.5 ** (1 / 3), 16 ** (1 / 3)], dtype=f64)
+    assert (d["seq_w"], d["seq_w2"], d["n_seqs"]) == (pytest.approx(s.sum().item()), pytest.approx(s.square().sum()
+                                                                                                   .item()), 2)
 
 
 # ----------------------------------------------------------------------------- token_logprobs

@@ -66,9 +66,9 @@ def test_unknown_run_is_refused(tmp_path, monkeypatch, capsys):
     assert os.listdir(tmp_path) == []  # nothing launched
 
 
-def synthetic(variant, seed, A, B=1.5, c_mid=0.02, r0=0.3, noise=0.01):
-    """A run's curve drawn from a known sigmoid, 30 evaluations out to 8 x C_mid, with Gaussian noise."""
-    C = np.linspace(8 * c_mid / 30, 8 * c_mid, 30)
+def synthetic(variant, seed, A, B=1.5, c_mid=0.02, r0=0.3, noise=0.01, reach=8):
+    """A run's curve drawn from a known sigmoid, 30 evaluations out to `reach` x C_mid, with Gaussian noise."""
+    C = np.linspace(reach * c_mid / 30, reach * c_mid, 30)
     rng = np.random.default_rng([seed, zlib.crc32(variant.encode())])
     R = sigmoid_fit.sigmoid(C, A, B, c_mid, r0) + rng.normal(0, noise, 30)
     return dict(variant=variant, seed=seed, compute="cpu_hours", C=list(C), R=list(R), R0=r0, steps=300,
@@ -103,6 +103,61 @@ def test_claims_separate_what_differs_and_not_what_does_not():
     assert s["n"] == 1 and s["unfitted"][0][0] == "no_npr-s0" and "never rises above R0" in s["unfitted"][0][1]
 
 
+def test_the_stated_tests_on_seed_samples_with_known_answers():
+    """The exact permutation test: 3 vs 3 seeds can never reach p < 0.05 however far apart (20 splits, the observed
+    one and its mirror count); 4 vs 4 can (2 of 70). Identical distributions pass the equivalence test; a large gap
+    over 5 seeds is separated by both tests; the same gap over 3 seeds is undecided, and 4 seeds a side would decide;
+    a gap inside the evaluation-noise floor is not separated even when the seeds agree exactly."""
+    lo, hi = [0.50, 0.51, 0.52], [0.80, 0.81, 0.82]
+    assert ablations.permutation_p(np.array(hi), np.array(lo)) == pytest.approx(0.1)
+    assert ablations.permutation_p(np.array(hi + [0.83]), np.array(lo + [0.53])) == pytest.approx(2 / 70)
+    three = ablations.compare(hi, lo)
+    assert three["p_welch"] < 1e-4 and three["p_perm"] == pytest.approx(0.1)
+    assert three["outcome"] == "undecided" and three["seeds"] == 4
+    assert ablations.word("ceiling", three) == "undecided: 4 seeds a side would decide"
+    rng = np.random.default_rng(0)
+    same = rng.normal(0.6, 0.005, 10)
+    eq = ablations.compare(same[:5], same[5:])
+    assert eq["outcome"] == "equivalent" and eq["p_tost"] < 0.05 and ablations.word("ceiling", eq) == "not separated"
+    assert ablations.word("efficiency", eq) == "shown (the same within ±0.02)"
+    far = ablations.compare(same[:5] + 0.1, same[5:])
+    assert far["outcome"] == "separated" and ablations.word("ceiling", far) == "shown"
+    assert ablations.word("ceiling", ablations.compare(same[5:], same[:5] + 0.1)) == "reversed"
+    assert ablations.word("efficiency", far).startswith("reversed (moved +0.1")
+    # seeds that agree exactly, 0.004 apart: separated with no floor, not with the evaluation noise's 0.01 under them
+    assert ablations.compare([0.604] * 5, [0.6] * 5)["outcome"] == "separated"
+    floored = ablations.compare([0.604] * 5, [0.6] * 5, floor=0.01)
+    assert floored["outcome"] == "equivalent" and floored["p_welch"] > 0.4
+    # a gap of 0.01 with a spread of 0.02: undecided; the seeds for 80% power grow as the gap shrinks
+    n = [ablations.compare(x + g, x)["seeds"] for g in (0.03, 0.06) for x in [rng.normal(0.6, 0.02, 3)]]
+    assert n[0] > n[1] >= 4
+
+
+def test_verdicts_need_identified_fits_and_matched_compute():
+    """A is judged only on identified fits (a run whose window ends before 3 x C_mid, or whose A is above the task's
+    bound, is named instead); a variant that spends twice the compute on the same curve is compared at the cheaper
+    one's compute (the plain plateau would credit it with the extra compute); the noise floor comes from R0."""
+    curves = [dict(synthetic(v, s, 0.6, r0=0.3 + 0.01 * s), bound=0.7) for v in ("scalerl", "no_npr")
+              for s in range(5)]
+    curves += [dict(synthetic("batch_32", s, 0.6, reach=16, r0=0.3 + 0.01 * s), bound=0.7) for s in range(5)]
+    curves[5] = dict(synthetic("no_npr", 0, 0.6, reach=2), bound=0.7)  # its window ends at 2 x C_mid
+    stats = ablations.summarize(curves)
+    rows = {(claim, key): (t, note) for claim, _, _, _, key, t, note in ablations.judged(stats)}
+    t, note = rows[("No-Positive-Resampling moves efficiency only", "A")]
+    assert t is None and note.startswith("not identified: no_npr-s0 (") and "x C_mid < 3)" in note
+    t, note = rows[("a larger batch raises A", "plateau")]
+    assert note.startswith("compute-matched at 0.16") and abs(t["d"]) < 0.01 and t["outcome"] == "equivalent"
+    plain = np.mean([ablations.plateau(c["R"]) for c in stats["batch_32"]["curves"]])
+    assert plain - stats["scalerl"]["plateau_mean"] > 0.01 > 2 * abs(t["d"])  # what equal steps would have shown
+    assert t["floor"] == pytest.approx(np.std([0.3, 0.31, 0.32, 0.33, 0.34], ddof=1) / np.sqrt(15))
+    t, _ = rows[("a larger batch raises A", "A")]  # both identified: A judged, the same sigmoid's A
+    assert t is not None and t["outcome"] == "equivalent"
+    high = ablations.summarize([dict(c, bound=0.55) for c in curves[:5]])  # A 0.6 above a bound of 0.55
+    assert all("above the task's bound 0.550" in ablations.unidentified(r) for r in high["scalerl"]["runs"])
+    table = "\n".join(ablations.tests_table(stats))
+    assert "| a larger batch raises A | plateau (compute-matched at 0.16" in table
+
+
 def test_report_reads_run_directories_by_name(tmp_path):
     """Finished runs named <variant>-s<seed> (seeds of any width) are read, a run killed before its last step and a
     directory of another name are not; the report writes its tables, curves.json and figures."""
@@ -113,13 +168,18 @@ def test_report_reads_run_directories_by_name(tmp_path):
         (d / "config.json").write_text('{"config": {"max_steps": 300}}')
         evals = [dict(step=10 * i, eval=True, pass_rate=r, cpu_hours=x)
                  for i, (x, r) in enumerate(zip([0.0] + c["C"], [c["R0"]] + c["R"]))]
-        steps = [dict(step=i, mismatch_kl=1e-4, trunc_rate=0.1, zero_var_frac=0.3) for i in range(1, 301)]
+        steps = [dict(step=i, mismatch_kl=1e-4, trunc_rate=0.1, zero_var_frac=0.3, logratio_sd=0.1,
+                      dapo_grad_high=0.75 if i <= 100 else 0.25 if i > 150 else 0.5) for i in range(1, 301)]
         (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in evals + steps) + "\n")
     (tmp_path / "scalerl-s0" / "config.json").write_text('{"config": {"max_steps": 400}}')  # not at its end
     ablations.report(str(tmp_path))
     curves = json.load(open(tmp_path / "curves.json"))
     assert sorted((c["variant"], c["seed"]) for c in curves) == [("bf16_fp32_head", 0), ("bf16_fp32_head", 12),
                                                                  ("no_zero_var_filter", 1)]
+    # the mechanism kept twice: over steps 1-100, where collapses happen, and over the later half
+    kept = {(c["dapo_grad_high_early"], c["dapo_grad_high"], c["dapo_grad_low"]) for c in curves}
+    assert kept == {(0.75, 0.25, None)}
     md = open(tmp_path / "results.md").read()
+    assert "| 0.100 | nan / nan | n/a / 0.7500 |" in md.split("steps 1-100")[1]
     assert "| bf16_fp32_head | --dtype=bfloat16 | 2 |" in md and "scalerl-s0" in md.split("Not finished yet:")[1]
     assert os.path.exists(tmp_path / "precision.png") and not os.path.exists(tmp_path / "loss.png")

@@ -34,7 +34,7 @@ from conftest import (TIMING, copy_run, one_line_error, read_jsonl, refused, run
 
 METRIC_NAMES = {"step", "device_hours", "policy_version", "reward", "loss", "clip_frac", "mismatch_kl", "lag_mean",
                 "lag_max", "dropped_stale", "trunc_rate", "zero_var_frac", "npr_removed", "gen_tok_s", "train_tok_s",
-                "dt", "logratio_sd", "dapo_clip_low", "dapo_clip_high", "grad_norm"}
+                "dt", "logratio_sd", "dapo_clip_low", "dapo_clip_high", "dapo_grad_low", "dapo_grad_high", "grad_norm"}
 
 # ---------------------------------------------------------------------------------------------------------------------
 # 1. Config parsing (in-process)
@@ -51,6 +51,8 @@ BAD = [  # (argv, text the single error line must contain)
     (["--loss=ppo"], "--loss"),
     (["--agg=mean"], "--agg"),
     (["--adv_norm=std"], "--adv_norm"),
+    (["--is_correction=both"], "--is_correction"),
+    (["--is_cap=0"], "--is_cap"),
     (["--off_policy=async"], "--off_policy"),
     (["--engine=sglang"], "--engine"),
     (["--dtype=float16"], "--dtype"),
