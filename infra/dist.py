@@ -264,8 +264,11 @@ class TrainerLink(BatchSource):
 
     def next_batch(self):
         groups = self._collect(self.B if self.job.rank == 0 else 0, self._next_received)
-        kept = share(self.job, [pack(g) for g in groups if self.kept.pop(g[0].group)])
-        return self._batch(groups, [unpack(g) for g in kept])
+        kept = [g for g in groups if self.kept.pop(g[0].group)]
+        if len(self.job.trainers) > 1:  # packed to the other trainer ranks; rank 0 keeps its own Samples
+            shared = share(self.job, [pack(g) for g in kept])
+            kept = kept if self.job.rank == 0 else [unpack(g) for g in shared]
+        return self._batch(groups, kept)
 
     def _next_received(self, missing):
         while True:
