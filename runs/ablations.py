@@ -121,6 +121,8 @@ NOISE = sigmoid_fit.NOISE_MARGIN  # the paper's margin on A (0.02)
 MECHANISM = ("logratio_sd", "dapo_clip_low", "dapo_clip_high", "dapo_grad_low", "dapo_grad_high", "fresh_mismatch",
              "grad_norm", "lag_mean", "clip_frac", "seq_ess")
 EARLY = 100
+# kept step by step over those first EARLY steps (`early_series`), rounded to 4 significant digits
+SERIES = ("dapo_clip_low", "dapo_clip_high", "dapo_grad_low", "dapo_grad_high", "logratio_sd", "clip_frac")
 
 
 def compute_key(variant):
@@ -207,7 +209,21 @@ def curve(out, variant, seed):
                 R=[float(r) for r in R], R0=r0, steps=len(steps), mismatch_kl=mean("mismatch_kl"),
                 trunc_rate=mean("trunc_rate"), zero_var_frac=mean("zero_var_frac"),
                 bound=bound(run_config(run_dir)),
-                **{k: mean(k, late) for k in MECHANISM}, **{f"{k}_early": mean(k, early) for k in MECHANISM})
+                **{k: mean(k, late) for k in MECHANISM}, **{f"{k}_early": mean(k, early) for k in MECHANISM},
+                early_series=early_series(early))
+
+
+def early_series(steps):
+    """{metric: [its value at step 1, 2, ..., min(EARLY, the last step)]} for the SERIES metrics, to 4 significant
+    digits; None where the step's row lacks it (older runs, a step not logged, a non-finite value). A step logged
+    twice (a resumed run) keeps its last row."""
+    at = {r["step"]: r for r in steps if 1 <= r["step"] <= EARLY}
+    n = max(at, default=0)
+
+    def value(r, k):
+        x = r.get(k) if r else None
+        return float(f"{x:.4g}") if x is not None and np.isfinite(x) else None
+    return {k: [value(at.get(i), k) for i in range(1, n + 1)] for k in SERIES}
 
 
 def plateau(R):
@@ -244,7 +260,9 @@ def fit_run(c):
 
 def summarize(curves):
     """Per variant: its fitted runs, A and B as mean and std over seeds, C_mid as a geometric mean, and the runs
-    that could not be fitted (`unfitted`: (run, why); they count in no mean, and the tables name them)."""
+    that could not be fitted (`unfitted`: (run, why); they count in no mean, and the tables name them); the
+    mechanism's means, and step by step over steps 1-EARLY (`early_series`, over the `early_series_n` runs that
+    kept one)."""
     out, unfitted = {}, {}
     for c in curves:
         try:
@@ -261,6 +279,7 @@ def summarize(curves):
         # the plateau and the mechanism over every finished run, fitted or not
         every = [c for c in curves if c["variant"] == v]
         settled = np.array([plateau(c["R"]) for c in every], dtype=float)
+        series_n, series = series_mean(every)  # steps 1-EARLY, step by step, over the runs that kept them
         stats[v] = dict(runs=runs, n=len(runs), unfitted=unfitted.get(v, []), A_sd=sd(get("A")), B_sd=sd(get("B")),
                         curves=every,
                         C_mid_mean=float(np.exp(np.log(get("C_mid")).mean())) if runs else float("nan"),
@@ -268,8 +287,22 @@ def summarize(curves):
                         final_mean=mean(np.array([r["R"][-1] for r in runs])), plateau_n=len(every),
                         plateau_mean=mean(settled), plateau_sd=sd(settled), bound=every[0].get("bound", np.nan),
                         **{k: mean(np.array([c.get(k) for c in every], dtype=float))
-                           for k in ("mismatch_kl", "trunc_rate", *MECHANISM, *(f"{k}_early" for k in MECHANISM))})
+                           for k in ("mismatch_kl", "trunc_rate", *MECHANISM, *(f"{k}_early" for k in MECHANISM))},
+                        early_series_n=series_n, early_series=series)
     return stats
+
+
+def series_mean(curves):
+    """Step by step, the mean over the runs that kept an `early_series` (a curves.json written before it has none)
+    of each SERIES metric: (how many runs had one, {metric: [mean at step 1, 2, ...]}), None at a step where no run
+    has a value."""
+    have = [c["early_series"] for c in curves if c.get("early_series")]
+    out = {}
+    for k in SERIES:
+        cols = [s.get(k) or [] for s in have]
+        out[k] = [float(np.mean(xs)) if (xs := [col[i] for col in cols if i < len(col) and col[i] is not None])
+                  else None for i in range(max(map(len, cols), default=0))]
+    return len(have), out
 
 
 def verdict(kind, a, b, key=None):
@@ -538,7 +571,8 @@ def load_curves(out):
 
 def kept_curves(path, have):
     """The runs of an earlier curves.json (e.g. the committed assets/ablations/curves.json) that `have` lacks; what
-    it did not record is filled in: the bound; the mechanism's metrics stay unknown."""
+    it did not record is filled in: the bound; the mechanism's metrics and its early_series stay unknown (absent:
+    summarize and the notebook read them with .get)."""
     done = {(c["variant"], c["seed"]) for c in have}
     old = [c for c in json.load(open(path)) if (c["variant"], c["seed"]) not in done and c["variant"] in VARIANTS]
     for c in old:

@@ -179,7 +179,39 @@ def test_report_reads_run_directories_by_name(tmp_path):
     # the mechanism kept twice: over steps 1-100, where collapses happen, and over the later half
     kept = {(c["dapo_grad_high_early"], c["dapo_grad_high"], c["dapo_grad_low"]) for c in curves}
     assert kept == {(0.75, 0.25, None)}
+    assert all(c["early_series"]["dapo_grad_high"] == [0.75] * 100 for c in curves)  # and step by step
     md = open(tmp_path / "results.md").read()
     assert "| 0.100 | nan / nan | n/a / 0.7500 |" in md.split("steps 1-100")[1]
     assert "| bf16_fp32_head | --dtype=bfloat16 | 2 |" in md and "scalerl-s0" in md.split("Not finished yet:")[1]
     assert os.path.exists(tmp_path / "precision.png") and not os.path.exists(tmp_path / "loss.png")
+
+
+def test_the_first_steps_are_kept_step_by_step(tmp_path):
+    """curves.json keeps each run's mechanism over steps 1-100 step by step (4 significant digits; None where a row
+    lacks a metric or a step was not logged; a resumed run's repeated step keeps its last row), beside the means;
+    summarize averages the series over the runs that have one, and a run from an older curves.json without one
+    counts in no series."""
+    c, d = synthetic("stale_dapo", 0, 0.6), tmp_path / "stale_dapo-s0"
+    d.mkdir()
+    (d / "config.json").write_text('{"config": {"max_steps": 150}}')
+    evals = [dict(step=5 * i, eval=True, pass_rate=r, cpu_hours=x)
+             for i, (x, r) in enumerate(zip([0.0] + c["C"], [c["R0"]] + c["R"]))]
+    steps = [dict(step=i, logratio_sd=0.123456789 * i, dapo_clip_low=0.01, dapo_clip_high=0.0, dapo_grad_high=1e-5 * i,
+                  clip_frac=0.02, **({} if i == 3 else {"dapo_grad_low": 0.5})) for i in range(1, 151) if i != 7]
+    steps.insert(18, dict(steps[18], logratio_sd=9.0))  # step 20 logged twice: a resumed run repeats it, then goes on
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in evals + steps) + "\n")
+    run = ablations.load_curves(str(tmp_path))[0]
+    s = run["early_series"]
+    assert sorted(s) == sorted(ablations.SERIES) and all(len(x) == ablations.EARLY for x in s.values())
+    assert s["logratio_sd"][:3] == [0.1235, 0.2469, 0.3704] and s["logratio_sd"][99] == 12.35
+    assert s["logratio_sd"][19] == 2.469  # the repeated step's last row (not the 9.0 before it)
+    assert s["dapo_grad_high"][99] == 0.001 and s["clip_frac"][0] == 0.02
+    assert s["dapo_grad_low"][2] is None and s["dapo_grad_low"][3] == 0.5 and s["clip_frac"][6] is None
+    assert run["dapo_grad_low_early"] == 0.5 and run == json.loads(json.dumps(run))  # what curves.json holds
+    old = {k: v for k, v in run.items() if k != "early_series"}  # a run from a curves.json written before the series
+    stats = ablations.summarize([run, dict(old, seed=1), dict(run, seed=2, early_series=dict(
+        s, logratio_sd=[None if x is None else 2 * x for x in s["logratio_sd"]]))])["stale_dapo"]
+    assert stats["early_series_n"] == 2 and stats["early_series"]["logratio_sd"][0] == pytest.approx(1.5 * 0.1235)
+    assert stats["early_series"]["clip_frac"][6] is None and stats["early_series"]["dapo_grad_low"][2] is None
+    none = ablations.summarize([old, dict(old, seed=1)])["stale_dapo"]
+    assert none["early_series_n"] == 0 and none["early_series"] == {k: [] for k in ablations.SERIES}
