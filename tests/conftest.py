@@ -103,8 +103,11 @@ def refused(capsys, *argv):
 
 def run_base(tmp_path_factory, name):
     """A fresh base directory for runs (their --out_dir inside it) whose supervised warm-start cache,
-    `<base>/warmstart/`, is one folder for the whole session: a warm start with the same options is computed once."""
-    base, shared = tmp_path_factory.mktemp(name), tmp_path_factory.getbasetemp() / "warmstart"
+    `<base>/warmstart/`, is one folder for the whole session, both xdist workers' (their base folders share a parent):
+    a warm start with the same options is computed once (side by side, each writes its own file, then renames it)."""
+    root = tmp_path_factory.getbasetemp()
+    shared = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "warmstart"
+    base = tmp_path_factory.mktemp(name)
     shared.mkdir(exist_ok=True)
     (base / "warmstart").symlink_to(shared, target_is_directory=True)
     return base
