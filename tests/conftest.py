@@ -33,8 +33,19 @@ import torch  # noqa: E402
 torch.set_num_threads(1)  # the test models are tiny: one thread is deterministic and fair to a shared machine
 
 
+# The files that take longest, longest first (seconds on 2 quiet cores, 2026-12-02): pytest.ini hands the two workers a
+# file at a time in collection order (--no-loadscope-reorder), so the short files fill the end and the workers finish
+# together (xdist's own order, by test count, left a long file for last: a minute or more of one idle worker).
+SLOWEST_FIRST = ("test_vllm.py", "test_distributed.py", "test_reliability.py", "test_faults.py", "test_preemption.py",
+                 "test_torchrun_eval.py", "test_runs.py", "test_notebooks.py", "test_scalerl.py",
+                 "test_architectures.py", "test_code_verifier.py", "test_own_model.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Without vLLM (the optional extra, requirements-vllm.txt) the tests marked `vllm` skip, saying so."""
+    """The slowest files first (the rest in their order); without vLLM (the optional extra, requirements-vllm.txt)
+    the tests marked `vllm` skip, saying so."""
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
     if importlib.util.find_spec("vllm") is None:
         skip = pytest.mark.skip(reason="needs vLLM: pip install -r requirements-vllm.txt")
         for item in items:
