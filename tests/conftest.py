@@ -33,8 +33,19 @@ import torch  # noqa: E402
 torch.set_num_threads(1)  # the test models are tiny: one thread is deterministic and fair to a shared machine
 
 
+# The files that take longest, longest first (seconds on 2 quiet cores, 2026-12-02): pytest.ini hands the two workers a
+# file at a time in collection order (--no-loadscope-reorder), so the short files fill the end and the workers finish
+# together (xdist's own order, by test count, left a long file for last: a minute or more of one idle worker).
+SLOWEST_FIRST = ("test_vllm.py", "test_distributed.py", "test_reliability.py", "test_faults.py", "test_preemption.py",
+                 "test_torchrun_eval.py", "test_runs.py", "test_notebooks.py", "test_scalerl.py",
+                 "test_architectures.py", "test_code_verifier.py", "test_own_model.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Without vLLM (the optional extra, requirements-vllm.txt) the tests marked `vllm` skip, saying so."""
+    """The slowest files first (the rest in their order); without vLLM (the optional extra, requirements-vllm.txt)
+    the tests marked `vllm` skip, saying so."""
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
     if importlib.util.find_spec("vllm") is None:
         skip = pytest.mark.skip(reason="needs vLLM: pip install -r requirements-vllm.txt")
         for item in items:
@@ -103,8 +114,11 @@ def refused(capsys, *argv):
 
 def run_base(tmp_path_factory, name):
     """A fresh base directory for runs (their --out_dir inside it) whose supervised warm-start cache,
-    `<base>/warmstart/`, is one folder for the whole session: a warm start with the same options is computed once."""
-    base, shared = tmp_path_factory.mktemp(name), tmp_path_factory.getbasetemp() / "warmstart"
+    `<base>/warmstart/`, is one folder for the whole session, both xdist workers' (their base folders share a parent):
+    a warm start with the same options is computed once (side by side, each writes its own file, then renames it)."""
+    root = tmp_path_factory.getbasetemp()
+    shared = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "warmstart"
+    base = tmp_path_factory.mktemp(name)
     shared.mkdir(exist_ok=True)
     (base / "warmstart").symlink_to(shared, target_is_directory=True)
     return base

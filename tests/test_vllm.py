@@ -319,8 +319,10 @@ def test_child_process_engine_records_the_version_that_sampled_each_token(tiny, 
     eng = vllm_engine(model, tok, cfg, interrupt=False, think_min=40, think_max=40, slots=64)
     assert eng.child
     size = sum(p.numel() * p.element_size() for p in model.parameters())
+    layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
     # the embedding, each decoder layer (over 64 KB), the final norm with the head; torch.save's headers on top
-    assert len(sent) == model.config.num_hidden_layers + 2 and max(sent) < size / 3 and sum(sent) > size, sent
+    assert len(sent) == model.config.num_hidden_layers + 2 and max(sent) < layer + (16 << 10) and sum(sent) > size, \
+        sent
     eng.llm.collective_rpc(watch_reload)
     for t in templates(tok, 8):
         eng.add(t, 4)
@@ -491,8 +493,9 @@ def run(out, *args):
 @pytest.fixture(scope="module")
 def learning_run(runs):
     """One `python scalerl.py --engine=vllm` run that two tests read: the setting of tests/test_learns.py (the torch
-    engine's learning test, whose cached warm start it loads), with a checkpoint midway."""
-    rows, out = run(runs / "learns", *LEARNS, "--ckpt_every=20")
+    engine's learning test) with a checkpoint midway, on the 4-layer tiny model: its slips run into the thinking
+    budget, so interrupted requests are resubmitted (the 2-layer model's short traces never reach it here)."""
+    rows, out = run(runs / "learns", *LEARNS, "--ckpt_every=20", "--n_layer=4")
     return runs / "learns", rows, out
 
 
@@ -574,7 +577,7 @@ def test_weights_loaded_bucket_by_bucket_give_the_trainers_logprobs(tiny):
     model, tok, cfg = tiny
     eng = vllm_engine(trainer.tiny_model(replace(cfg, seed=5), len(tok)), tok, cfg)
     parts = list(buckets(((n, p, p.dtype) for n, p in model.named_parameters()), 64 << 10))
-    assert len(parts) >= 5
+    assert len(parts) >= cfg.n_layer + 1  # a bucket per decoder layer at least
     for part in parts:
         eng.load_weights({n: t for n, t, _ in part}, 1)
     samples = [s for g in eng.generate(templates(tok, 8), 4) for s in g]
@@ -607,7 +610,8 @@ def test_a_bucket_crosses_vllms_rpc_as_bytes_and_arrives_exact():
                                 device=torch.device("cpu"), bufs={}), []
     VLLMEngine.load_weights(eng, model, 1)
     runs = list(buckets(((n, p, p.dtype) for n, p in model.named_parameters()), 64 << 10))
-    assert [[n for n, _ in b] for b in got] == [[n for n, _, _ in r] for r in runs] and len(got) >= 5
+    assert [[n for n, _ in b] for b in got] == [[n for n, _, _ in r] for r in runs]
+    assert len(got) >= model.config.num_hidden_layers + 1  # a bucket per decoder layer at least
     assert steps == ["begin", "end"]
     want = dict(model.named_parameters())
     for n, t in (x for b in got for x in b):
