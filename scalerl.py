@@ -34,7 +34,7 @@ from infra import cli, dist, print0, run, rundir, sources
 class Config:
     # model
     model: str = "tiny"                # "tiny" (a small Llama built in code, character tokenizer), or a hub name/path
-    n_layer: int = 4                   # tiny model depth
+    n_layer: int = 2                   # tiny model depth (2: the quick start in two minutes on a 2-core CPU)
     n_embd: int = 128                  # tiny model width
     n_head: int = 4                    # tiny model heads (head size n_embd/n_head = 32: vLLM CPU supports it)
     dtype: str = "float32"             # body precision on both sides: float32 | bfloat16 (trainer: fp32 masters)
@@ -91,7 +91,7 @@ class Config:
     seed: int = 0                      # seeds the task and held-out set, model init, warm start, and (rl_seed -1) RL
     rl_seed: int = -1                  # seeds RL alone (curriculum order, sampling, evaluation draws); -1: --seed.
                                        # Varying it keeps the task, held-out set and starting model: seed noise
-    max_steps: int = 150               # optimizer steps of RL
+    max_steps: int = 120               # optimizer steps of RL
     eval_every: int = 10               # held-out eval every N steps (and at step 0 and the end)
     eval_prompts: int = 96             # held-out prompts per eval (never trained on)
     eval_samples: int = 4              # completions per held-out prompt: pass rate is mean@eval_samples
