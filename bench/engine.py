@@ -1,8 +1,9 @@
 """Throughput of engine.TorchEngine against `model.generate` of the same model, prompts and sampling.
 
-The model is the tiny default (scalerl.Config(n_layer=4): a 4-layer, 128-wide Llama with the character tokenizer), randomly
-initialised, or loaded from a warm-start or run checkpoint with `--ckpt`. The prompts are the built-in arithmetic
-task rendered as in training (data.format_prompt), each asked for `--n` completions. Sampling is the same everywhere:
+The model is the tiny model at 4 layers (scalerl.Config(n_layer=4), the shape docs/measurements.md measured; the
+default has 2): a 128-wide Llama with the character tokenizer, randomly initialised, or loaded from a warm-start or run
+checkpoint of that shape with `--ckpt` (a run with `--n_layer=4`). The prompts are the built-in arithmetic task
+rendered as in training (data.format_prompt), each asked for `--n` completions. Sampling is the same everywhere:
 temperature 1, the full vocabulary, EOS stop, at most think_max + answer_budget new tokens (from Config).
 
 What is measured, each configuration run `--repeats` times with the same seed (identical work) and the fastest kept:
@@ -70,9 +71,9 @@ def load_model(cfg, tok, ckpt):
                   if k in sd and sd[k].shape != want[k].shape]
         if missing or extra or shaped:
             eg = (missing + extra + shaped)[0]
-            raise SystemExit(f"error: --ckpt {ckpt} does not fit the benchmark's tiny model (scalerl.Config(n_layer=4)): "
-                             f"{len(missing)} missing, {len(extra)} unexpected, {len(shaped)} misshapen tensors "
-                             f"(first: {eg})")
+            raise SystemExit(f"error: --ckpt {ckpt} does not fit the benchmark's tiny model "
+                             f"(scalerl.Config(n_layer=4)): {len(missing)} missing, {len(extra)} unexpected, "
+                             f"{len(shaped)} misshapen tensors (first: {eg})")
         model.load_state_dict(sd)
     return model.eval()
 
@@ -134,7 +135,7 @@ def parse_args(description, argv, slots_help):
     ap.add_argument("--slots", type=positive_ints, default=[32, 64, 128], help=slots_help)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--repeats", type=int, default=2, help="runs per configuration; the fastest is reported")
-    ap.add_argument("--ckpt", default=None, help="state dict of the default tiny model (default: random init)")
+    ap.add_argument("--ckpt", default=None, help="state dict of the 4-layer tiny model (default: random init)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     for k in ("prompts", "n", "repeats"):

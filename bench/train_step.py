@@ -1,10 +1,11 @@
 """Trained tokens/s of one optimizer step (trainer.train_step) on the default run's batches, by thread count.
 
-The batches are real: the default tiny model (random init, or a warm-start or run checkpoint with `--ckpt`) generates
-16 prompts x 8 completions of the built-in task per batch with the PyTorch engine and the default budgets. Every
-group gets rewards 1, 0, 1, 0, ... so every group is kept (the most work a batch can hold). Each thread count trains
-a fresh copy of the model on the same batches, `--steps` steps after one warm-up step; tokens/s is the batches'
-completion tokens over the steps' wall time, as the progress line's `train ... tok/s`.
+The batches are real: the tiny model at 4 layers (scalerl.Config(n_layer=4), the shape docs/measurements.md measured;
+random init, or a warm-start or run checkpoint of that shape with `--ckpt`) generates 16 prompts x 8 completions of the
+built-in task per batch with the PyTorch engine and the default budgets. Every group gets rewards 1, 0, 1, 0, ... so
+every group is kept (the most work a batch can hold). Each thread count trains a fresh copy of the model on the same
+batches, `--steps` steps after one warm-up step; tokens/s is the batches' completion tokens over the steps' wall time,
+as the progress line's `train ... tok/s`.
 
 Run: `python bench/train_step.py` (about a minute on 2 CPU cores); `--threads 1,2` is the default.
 """
@@ -30,7 +31,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=positive_ints, default=[1, 2], help="torch CPU thread counts (comma-separated)")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per thread count")
-    ap.add_argument("--ckpt", default=None, help="state dict of the default tiny model (default: random init)")
+    ap.add_argument("--ckpt", default=None, help="state dict of the 4-layer tiny model (default: random init)")
     args = ap.parse_args(argv)
     if args.steps <= 0:
         ap.error(f"--steps must be positive, got {args.steps}")

@@ -1,6 +1,6 @@
 """Throughput of infra.vllm_engine.VLLMEngine against engine.TorchEngine on the same model, prompts and sampling.
 
-The setting of bench/engine.py: the tiny default model (random init, or `--ckpt`), the built-in arithmetic prompts
+The setting of bench/engine.py: the 4-layer tiny model (random init, or `--ckpt`), the built-in arithmetic prompts
 rendered as in training, `--n` completions each, temperature 1, the thinking budget and answer budget of Config, the
 forced interruption off (the thinking budget is a hard stop) and on. Both engines run `generate(templates, n)` with
 `slots` sequences at once. The vLLM engine is built once per slot count (its start-up is printed, not timed in the

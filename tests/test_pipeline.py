@@ -369,13 +369,13 @@ def test_weight_buckets_agree_between_trainer_and_generator(dtype, fp32_head):
     engine = make_engine(cfg, model, tok, 0)
     body = getattr(torch, dtype)
     policy = trainer.Policy(model, 1.0, torch.float32 if fp32_head else body, 0, body)
-    limit = 64 << 10  # 64 KB: a bucket per decoder layer at least
+    limit = 64 << 10  # 64 KB: each decoder layer of the tiny model over it, a bucket of its own
 
     def layout(named):
         return [[(n, tuple(t.shape), d) for n, t, d in run] for run in dist.buckets(named, limit)]
     sent = layout(policy.weights())
     spec = layout((n, p, p.dtype) for n, p in engine.model.named_parameters())
-    assert sent == spec and len(sent) >= cfg.n_layer + 1  # a bucket per decoder layer at least
+    assert sent == spec and len(sent) >= cfg.n_layer + 1  # a bucket per decoder layer at least, and the head's
     assert {d for run in sent for *_, d in run} == ({torch.bfloat16, torch.float32} if dtype == "bfloat16" and fp32_head
                                                     else {body})
     layer = lambda n: n.split(".")[2] if ".layers." in n else n  # noqa: E731
