@@ -25,7 +25,7 @@ def test_an_evaluation_longer_than_the_time_out_runs_beside_the_rollouts(tmp_pat
     timeout, out = 5, tmp_path / "run"
     p = subprocess.run(torchrun("--standalone", "--nproc_per_node=2", "scalerl.py", "--config", "smoke", "--threads=1",
                                 f"--out_dir={out}", "--max_steps=120", "--eval_every=1000", "--eval_prompts=200",
-                                "--eval_samples=8", f"--dist_timeout={timeout}"),
+                                "--eval_samples=16", f"--dist_timeout={timeout}"),
                        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = read_jsonl(out / "metrics.jsonl")
@@ -44,13 +44,13 @@ def test_an_evaluation_longer_than_the_time_out_runs_beside_the_rollouts(tmp_pat
 def test_a_checkpoint_is_written_before_the_wait_on_evaluations(tmp_path):
     """Nothing trained is lost to a wait: two launches of one rank each (a trainer, a generator: a rank killed inside
     one launch would make torchrun end the other), evaluations and checkpoints every 3 steps. At step 6 the trainer
-    writes its checkpoint, then waits for the step-3 evaluation (48 held-out prompts x 8); the generator is killed in
+    writes its checkpoint, then waits for the step-3 evaluation (96 held-out prompts x 8); the generator is killed in
     that wait. The trainer ends within about --dist_timeout, naming in one line the rows it could not get, and the
     checkpoint holds step 6 (written after the wait, it stayed at step 3). --resume logs step 6's row again and names
     the row lost before it."""
     timeout, out = 10, tmp_path / "run"
     run = ("scalerl.py", "--config", "smoke", "--threads=1", f"--out_dir={out}", "--sft_steps=0", "--max_steps=6",
-           "--eval_every=3", "--ckpt_every=3", "--eval_prompts=48", "--eval_samples=8", f"--dist_timeout={timeout}")
+           "--eval_every=3", "--ckpt_every=3", "--eval_prompts=96", "--eval_samples=8", f"--dist_timeout={timeout}")
     procs = nodes(2, tmp_path / "node", *run)
     try:
         wait_for_steps(out / "metrics.jsonl", 6, procs)
@@ -85,7 +85,7 @@ def test_a_checkpoint_waits_for_an_evaluation_longer_than_the_time_out(tmp_path)
     every row (a flat time-out ended it at the first such wait)."""
     timeout, out = 8, tmp_path / "run"
     p = subprocess.Popen(torchrun("--standalone", "--nproc_per_node=2", "scalerl.py", "--config", "smoke",
-                                  "--threads=1", f"--out_dir={out}", "--eval_prompts=200", "--eval_samples=8",
+                                  "--threads=1", f"--out_dir={out}", "--eval_prompts=200", "--eval_samples=16",
                                   f"--dist_timeout={timeout}"),  # 4 steps, evaluations and checkpoints every 2
                          cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = {}  # the progress lines' first words (and whether they log a row) -> when they came
