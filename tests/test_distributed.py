@@ -274,9 +274,9 @@ def test_a_generator_visits_the_store_on_a_timer_not_every_engine_step(monkeypat
     polls, steps, admitted = (time.time() - t) / dist.POLL_S + 1, engine.stats["decode_steps"], store.add("admitted", 0)
     assert steps > 10 and sum(len(m[0]) for m in sent if m) > 4 and None in sent  # it generated, sent, said it stopped
     assert store.add("gen_tokens", 0) == engine.stats["tokens"]  # its counts were flushed before it stopped
-    # 6 requests a poll, and one per group it admitted (measured: 163 in 2 s, over 115 engine steps and 37 groups;
-    # a request per counter per step made 6 a step, 690 here)
-    assert len(calls) <= 6 * polls + admitted, (len(calls), polls, steps, admitted)
+    # 6 requests a poll, one per group it admitted, and the flush when it stops (measured: 163-164 in 2 s, over 115
+    # engine steps and 37 groups; a request per counter per step made 6 a step, 690 here)
+    assert len(calls) <= 6 * (polls + 1) + admitted, (len(calls), polls, steps, admitted)
 
 
 @pytest.mark.slow
