@@ -301,7 +301,7 @@ def test_sigkill_and_resume_until_done(base, k):
         proc = subprocess.Popen(command(out, *args, *resume), env=ENV, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
         if kills < 3:
-            kills += kill_when_under_way(proc, out, resume, rng.uniform(0.0, 2.5),
+            kills += kill_when_under_way(proc, out, resume, rng.uniform(0.0, 1.0),
                                          lambda: proc.send_signal(signal.SIGKILL))
         _, err = proc.communicate(timeout=600)
         if first_ck_step is None:

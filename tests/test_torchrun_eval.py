@@ -85,7 +85,7 @@ def test_a_checkpoint_waits_for_an_evaluation_longer_than_the_time_out(tmp_path)
     every row (a flat time-out ended it at the first such wait)."""
     timeout, out = 8, tmp_path / "run"
     p = subprocess.Popen(torchrun("--standalone", "--nproc_per_node=2", "scalerl.py", "--config", "smoke",
-                                  "--threads=1", f"--out_dir={out}", "--eval_prompts=200", "--eval_samples=16",
+                                  "--threads=1", f"--out_dir={out}", "--eval_prompts=400", "--eval_samples=16",
                                   f"--dist_timeout={timeout}"),  # 4 steps, evaluations and checkpoints every 2
                          cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = {}  # the progress lines' first words (and whether they log a row) -> when they came
