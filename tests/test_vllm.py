@@ -493,9 +493,10 @@ def run(out, *args):
 @pytest.fixture(scope="module")
 def learning_run(runs):
     """One `python scalerl.py --engine=vllm` run that two tests read: the setting of tests/test_learns.py (the torch
-    engine's learning test) with a checkpoint midway, on the 4-layer tiny model: its slips run into the thinking
-    budget, so interrupted requests are resubmitted (the 2-layer model's short traces never reach it here)."""
-    rows, out = run(runs / "learns", *LEARNS, "--ckpt_every=20", "--n_layer=4")
+    engine's learning test) with a checkpoint midway, on the 4-layer tiny model, its thinking budget drawn from 6-16
+    tokens (12-16 there): a budget of 6 interrupts a 6-character trace before its </think>, so a few requests a step
+    are resubmitted (at 12-16 only a rambling trace is, and a run may have none)."""
+    rows, out = run(runs / "learns", *LEARNS, "--ckpt_every=20", "--n_layer=4", "--think_min=6")
     return runs / "learns", rows, out
 
 
