@@ -141,18 +141,20 @@ def test_sigterm_checkpoints_and_resumes(base):
 
 def test_second_signal_exits_at_once(base):
     out = base / "twice"  # the run under way: the first signal asks for a checkpoint, the second exits at once
-    proc = subprocess.Popen(command(out, "--max_steps=1000", "--batch_prompts=64", "--group_size=8", "--slots=64"),
+    proc = subprocess.Popen(command(out, "--max_steps=1000", "--batch_prompts=256", "--group_size=8", "--slots=256"),
                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = []
     while not lines or not lines[-1].startswith("step    1/"):
         lines.append(proc.stdout.readline())
         assert proc.poll() is None, lines
-    time.sleep(0.5)  # into step 2: a stop is read between steps too, and a checkpoint after step 1 takes no time
-    for _ in range(2):  # both within one step: 512 completions take seconds
-        proc.send_signal(signal.SIGUSR1)
-        time.sleep(0.3)
+    time.sleep(0.2)  # into step 2 (2,048 completions: a second or more): a stop is read between steps too
+    proc.send_signal(signal.SIGUSR1)
+    while not lines[-1].startswith("SIGUSR1: the run stops after this step"):  # the first is taken: now the second
+        lines.append(proc.stdout.readline())
+        assert lines[-1], lines
+    proc.send_signal(signal.SIGUSR1)
     stdout, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 128 + signal.SIGUSR1 and "stopped by" not in stdout
+    assert proc.returncode == 128 + signal.SIGUSR1 and "stopped by" not in stdout, lines + [stdout]
 
 
 def test_sigterm_during_the_warm_start_stops_within_seconds(tmp_path):

@@ -35,9 +35,10 @@ def test_an_evaluation_longer_than_the_time_out_runs_beside_the_rollouts(tmp_pat
     before = rows[:rows.index(evals[0])]
     assert before and all("pass_rate" not in r for r in before)
     assert sum(r["dt"] for r in before) > timeout, [r["dt"] for r in before]
-    # weights landed while it ran: its tokens came from the asked version and later ones
+    # weights landed while it ran: its tokens came from the asked version or later ones (a generator takes every
+    # version published by its poll before it starts groups, so on a fast machine the first may already be 1)
     lo, hi = evals[0]["eval_versions"]
-    assert lo == 0 and hi > 0
+    assert 0 <= lo < hi, (lo, hi)
 
 
 @pytest.mark.slow
