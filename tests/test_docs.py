@@ -195,7 +195,7 @@ def test_the_readmes_transcript_has_the_shape_of_what_a_run_prints(finished_run,
     rates = re.findall(r"\d\.\d{3}", text[text.index("every 10 steps:"):text.index("The run ends by")])
     (tmp_path / "tiny").mkdir()
     (tmp_path / "tiny" / "metrics.jsonl").write_text("".join(
-        json.dumps(dict(step=10 * i, device_hours=0.0115 * i / 12, pass_rate=float(r))) + "\n"
+        json.dumps(dict(step=10 * i, device_hours=0.00924 * i / 12, pass_rate=float(r))) + "\n"
         for i, r in enumerate(rates)))
     fit = sigmoid_fit.analyze([str(tmp_path / "tiny")], plot=str(tmp_path / "tiny" / "curve.png")).split("\n")
     can_print = {shape(ln, finished_run) for ln in ending} | {shape(ln, tmp_path / "tiny") for ln in fit}
